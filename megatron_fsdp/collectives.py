@@ -1,0 +1,95 @@
+"""The one module that calls ``torch.distributed``: device-agnostic, counted.
+
+Every collective the engine issues goes through here, so that ``comm_stats``
+can report exactly how many bytes each kind of collective moved. Byte counts
+are the logical payload: an all-gather counts its output, a reduce-scatter its
+input, an all-reduce its tensor (the ZeRO accounting of DESIGN.md §7).
+
+Gradients are averaged by scaling before a SUM collective rather than with
+``ReduceOp.AVG``: gloo and NCCL then give identical numbers, and the result is
+bitwise what ``DistributedDataParallel`` computes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the flat-tensor collectives; 2.11 only has the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommStats:
+    """Bytes and calls per collective kind since the last ``reset``."""
+
+    bytes: Counter = field(default_factory=Counter)
+    calls: Counter = field(default_factory=Counter)
+
+    def record(self, kind: str, tensor: torch.Tensor) -> None:
+        self.bytes[kind] += tensor.numel() * tensor.element_size()
+        self.calls[kind] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+comm_stats = CommStats()
+
+
+class Pending:
+    """A collective in flight; ``wait()`` is idempotent."""
+
+    def __init__(self, work: dist.Work | None) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    @property
+    def done(self) -> bool:
+        return self._work is None
+
+
+def _check_no_alias(output: torch.Tensor, input: torch.Tensor, what: str) -> None:
+    # A collective writing into its own input corrupts data silently (seed 000).
+    if output.numel() and output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr():
+        raise RuntimeError(f"{what}: output aliases input")
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Pending:
+    """Gather equal flat shards from every rank of ``group`` into ``output``."""
+    _check_no_alias(output, shard, "all_gather")
+    comm_stats.record("all_gather", output)
+    return Pending(_all_gather_flat(output, shard, group=group, async_op=True))
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> Pending:
+    """Sum ``input`` over ``group`` and leave this rank's equal slice in ``output``."""
+    _check_no_alias(output, input, "reduce_scatter")
+    comm_stats.record("reduce_scatter", input)
+    return Pending(_reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True))
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> Pending:
+    """Sum ``tensor`` in place over ``group``."""
+    comm_stats.record("all_reduce", tensor)
+    return Pending(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
+
+
+def broadcast(tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup) -> Pending:
+    """Copy ``tensor`` from group rank ``src_rank`` to every rank of ``group``."""
+    comm_stats.record("broadcast", tensor)
+    src = dist.get_global_rank(group, src_rank)
+    return Pending(dist.broadcast(tensor, src=src, group=group, async_op=True))

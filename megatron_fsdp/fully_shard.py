@@ -1,0 +1,139 @@
+"""``fully_shard``: the per-module API, FSDP2-shaped (the one engine).
+
+Apply it bottom-up: to each block, then to the root. A unit owns the
+parameters of its module's subtree that no already-sharded descendant owns.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .module import FSDPModule, make_fsdp_module
+from .param_group import ParamGroup, ParamRef
+from .strategy import ShardingPlan, resolve_strategy
+from .unit import FSDPUnit
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1-D mesh over all ranks: CUDA when the default backend is NCCL, else CPU."""
+    _require_distributed()
+    backend = dist.get_backend()
+    device_type = "cuda" if "nccl" in str(backend) and torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _require_distributed() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs torch.distributed: call torch.distributed.init_process_group() "
+            "first (e.g. run under torchrun), even for a single process"
+        )
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _collect_params(module: nn.Module) -> list[ParamRef]:
+    """Parameters of ``module``'s subtree not owned by a sharded descendant, in order."""
+    refs: dict[int, ParamRef] = {}
+    seen_modules: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", module)]
+    while stack:
+        prefix, mod = stack.pop()
+        if id(mod) in seen_modules:
+            continue
+        seen_modules.add(id(mod))
+        for name, param in mod._parameters.items():
+            if param is None:
+                continue
+            fqn = f"{prefix}{name}"
+            if getattr(param, "_megatron_fsdp_sharded", False):
+                raise ValueError(
+                    f"parameter '{fqn}' is already sharded by another fully_shard unit (it is "
+                    "shared with a module outside that unit); apply fully_shard to a common "
+                    "ancestor of every module that uses it instead"
+                )
+            refs.setdefault(id(param), ParamRef(fqn, param)).uses.append((mod, name))
+        children = [(f"{prefix}{n}.", c) for n, c in mod._modules.items() if c is not None]
+        for child_prefix, child in reversed(children):
+            if not isinstance(child, FSDPModule):
+                stack.append((child_prefix, child))
+    return list(refs.values())
+
+
+def _validate_params(module: nn.Module, refs: list[ParamRef], plan: ShardingPlan, mesh: DeviceMesh) -> None:
+    name = type(module).__name__
+    devices = {ref.param.device for ref in refs}
+    if any(d.type == "meta" for d in devices):
+        meta = [r.fqn for r in refs if r.param.device.type == "meta"]
+        raise ValueError(
+            f"fully_shard({name}): parameters {meta} are on the meta device; materialise them "
+            "first (module.to_empty(device=...) then reset_parameters())"
+        )
+    if len(devices) > 1:
+        detail = ", ".join(f"'{r.fqn}' on {r.param.device}" for r in refs)
+        raise ValueError(f"fully_shard({name}): parameters are on mixed devices ({detail}); move the module to one device first")
+    if plan.optim and mesh.size(0) > 1:
+        scalars = [r.fqn for r in refs if r.param.dim() == 0]
+        if scalars:
+            raise ValueError(
+                f"fully_shard({name}): 0-dim parameters {scalars} have no rows to shard; "
+                "use sharding_strategy='no_shard' for this module or give them shape (1,)"
+            )
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    sharding_strategy: str | int | ShardingPlan = "optim_grads_params",
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``module``'s parameters over ``mesh`` and make it an ``FSDPModule``.
+
+    Args:
+        module: the module to shard; its class becomes ``FSDP<Class>``.
+        mesh: a 1-D ``DeviceMesh`` (default: every rank; CUDA under NCCL, else CPU).
+        sharding_strategy: ``"no_shard"``, ``"optim"`` (ZeRO-1), ``"optim_grads"``
+            (ZeRO-2) or ``"optim_grads_params"`` (ZeRO-3), or a ZeRO stage 0-3.
+        reshard_after_forward: ZeRO-3 only: free the gathered weights after
+            forward and gather again for backward (the root unit never does).
+
+    Returns:
+        ``module`` itself, whose ``parameters()`` are now sharded DTensors.
+    """
+    _require_distributed()
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
+    plan = resolve_strategy(sharding_strategy)
+    mesh = default_mesh() if mesh is None else mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(f"mesh must be 1-D (data-parallel ranks); got a {mesh.ndim}-D mesh {mesh}")
+    refs = _collect_params(module)
+    _validate_params(module, refs, plan, mesh)
+    device = mesh_device(mesh)
+
+    unit = FSDPUnit(module, plan, reshard_after_forward)
+    by_kind: dict[tuple[torch.dtype, bool], list[ParamRef]] = {}
+    for ref in refs:
+        by_kind.setdefault((ref.param.dtype, ref.param.requires_grad), []).append(ref)
+    unit.groups = [ParamGroup(g, mesh, plan, device, unit.on_grads_ready) for g in by_kind.values()]
+    _move_buffers(module, device)
+    return make_fsdp_module(module, unit)
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for mod in module.modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None and buf.device != device:
+                mod._buffers[name] = buf.to(device)

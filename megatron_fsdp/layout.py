@@ -1,0 +1,150 @@
+"""Flat-buffer layout: where each parameter sits and which rows each rank owns.
+
+Pure functions on shapes, no tensors and no processes, so the arithmetic that
+every other layer trusts can be unit-tested in isolation.
+
+Note: the invariant this file guarantees, relied on by ``param_group`` (views),
+``ragged_shard`` (DTensor chunk metadata) and the checkpoint code: every
+parameter is one contiguous slice of the unsharded buffer, and no shard
+boundary falls inside one of its rows. A rank therefore owns whole rows
+``[row_start, row_start + row_count)`` of each parameter (possibly none).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter's place in the unsharded flat buffer."""
+
+    shape: tuple[int, ...]
+    offset: int  # first element, in the unsharded flat buffer
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The rows of one parameter that one rank owns, and where they sit in its shard."""
+
+    row_start: int
+    row_count: int
+    shard_offset: int  # first element, in that rank's shard
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if not shape:  # a 0-dim parameter is one row; only an unsharded layout holds it
+            return ()
+        return (self.row_count, *shape[1:])
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Parameters laid out one after another, padded into ``world_size`` equal shards."""
+
+    slots: tuple[ParamSlot, ...]
+    world_size: int
+    shard_numel: int
+
+    @property
+    def total_numel(self) -> int:
+        return self.world_size * self.shard_numel
+
+    @property
+    def param_numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def padding_numel(self) -> int:
+        return self.total_numel - self.param_numel
+
+    def piece(self, index: int, rank: int) -> ShardPiece:
+        """Rows of parameter ``index`` held by ``rank`` (row_count may be 0)."""
+        slot = self.slots[index]
+        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+        if end <= start:
+            # No overlap: an empty piece positioned where the rows would begin.
+            row = 0 if slot.offset >= hi else slot.rows
+            return ShardPiece(row, 0, 0)
+        w = slot.row_numel
+        assert (start - slot.offset) % w == 0 and (end - slot.offset) % w == 0, "row split"
+        return ShardPiece((start - slot.offset) // w, (end - start) // w, start - lo)
+
+    def rows_per_rank(self, index: int) -> tuple[int, ...]:
+        return tuple(self.piece(index, r).row_count for r in range(self.world_size))
+
+
+def _place(shapes: list[tuple[int, ...]], shard_numel: int, world_size: int) -> list[int] | None:
+    """Greedy placement for one shard size; None when it does not fit."""
+    offsets: list[int] = []
+    cursor = 0
+    for shape in shapes:
+        slot = ParamSlot(shape, 0)
+        numel, w = slot.numel, slot.row_numel
+        if numel == 0:
+            offsets.append(cursor)
+            continue
+        boundary = (cursor // shard_numel + 1) * shard_numel
+        if cursor + numel > boundary:
+            # Crosses a boundary: shift so that the boundary falls between rows.
+            start = cursor + (boundary - cursor) % w
+            if start + numel > boundary + shard_numel and shard_numel % w:
+                # Spans two boundaries with a row size that does not divide the
+                # shard: only a start on the boundary itself can still work.
+                start = boundary
+                if numel > shard_numel:
+                    return None
+            cursor = start
+        offsets.append(cursor)
+        cursor += numel
+    return offsets if cursor <= shard_numel * world_size else None
+
+
+def build_flat_layout(shapes: list[tuple[int, ...]], world_size: int) -> FlatLayout:
+    """Lay out parameters of the given shapes for ``world_size`` equal shards.
+
+    The shard size starts at the even split and grows (in steps that keep every
+    large parameter's row size a divisor of it) until the row-aligned greedy
+    placement fits; padding is therefore below one row per shard boundary for
+    ordinary transformer shapes.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    total = sum(math.prod(s) for s in shapes)
+    if world_size == 1 or total == 0:
+        offsets, cursor = [], 0
+        for s in shapes:
+            offsets.append(cursor)
+            cursor += math.prod(s)
+        slots = tuple(ParamSlot(s, o) for s, o in zip(shapes, offsets))
+        return FlatLayout(slots, world_size, max(cursor, 0) if world_size == 1 else 0)
+    lower = -(-total // world_size)
+    # Parameters larger than a shard may span several boundaries; their row
+    # sizes must then divide the shard size.
+    step = 1
+    for s in shapes:
+        if math.prod(s) > lower:
+            step = math.lcm(step, ParamSlot(s, 0).row_numel)
+    if step > lower:
+        step = 1  # pathological row sizes: the search below still terminates
+    shard = -(-lower // step) * step
+    while True:
+        offsets = _place(shapes, shard, world_size)
+        if offsets is not None:
+            slots = tuple(ParamSlot(s, o) for s, o in zip(shapes, offsets))
+            return FlatLayout(slots, world_size, shard)
+        shard += step

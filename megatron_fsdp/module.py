@@ -1,0 +1,82 @@
+"""FSDPModule: the methods a ``fully_shard``-ed module gains.
+
+``fully_shard`` swaps the module's class for a dynamic subclass of
+``(FSDPModule, original class)``, as FSDP2 does; the module keeps its
+attributes, FQNs and ``state_dict`` keys. All runtime state lives in the
+``FSDPUnit`` at ``module.fsdp_unit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+
+from .unit import FSDPUnit
+
+_UNIT_ATTR = "_megatron_fsdp_unit"
+
+
+class FSDPModule:
+    """Mixin for modules sharded by :func:`megatron_fsdp.fully_shard`."""
+
+    @property
+    def fsdp_unit(self) -> FSDPUnit:
+        return self.__dict__[_UNIT_ATTR]
+
+    def _fsdp_units(self, recurse: bool) -> Iterator[FSDPUnit]:
+        if not recurse:
+            yield self.fsdp_unit
+            return
+        for module in self.modules():  # type: ignore[attr-defined]
+            if isinstance(module, FSDPModule):
+                yield module.fsdp_unit
+
+    def unshard(self) -> None:
+        """All-gather this unit's parameters and install the unsharded views."""
+        self.fsdp_unit.unshard()
+
+    def reshard(self) -> None:
+        """Free this unit's unsharded parameters; modules hold the sharded ones again.
+
+        Also the way to make the next forward re-gather after the sharded
+        parameters were changed outside an optimizer step (e.g. a load).
+        """
+        self.fsdp_unit.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Reduce gradients in backward (True) or accumulate them locally (False)."""
+        for unit in self._fsdp_units(recurse):
+            unit.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Free (ZeRO-3) weights after forward, or keep them for backward."""
+        for unit in self._fsdp_units(recurse):
+            unit.reshard_after_forward = bool(reshard_after_forward)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them inside the block."""
+        previous = [(u, u.requires_gradient_sync) for u in self._fsdp_units(True)]
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for unit, value in previous:
+                unit.requires_gradient_sync = value
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def make_fsdp_module(module: nn.Module, unit: FSDPUnit) -> nn.Module:
+    """Swap ``module``'s class to the FSDP subclass and attach ``unit``."""
+    cls = type(module)
+    subclass = _SUBCLASSES.get(cls)
+    if subclass is None:
+        subclass = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        _SUBCLASSES[cls] = subclass
+    module.__class__ = subclass
+    module.__dict__[_UNIT_ATTR] = unit
+    return module

@@ -1,0 +1,288 @@
+"""ParamGroup: one unit's parameters that share dtype and requires_grad.
+
+A group owns three pieces of storage (DESIGN.md §3):
+
+- ``shard``: this rank's slice of the flat buffer (main weights). The sharded
+  parameters the optimizer sees are DTensor views of it.
+- ``unsharded``: the whole flat buffer, filled by one all-gather of ``shard``;
+  the parameters the module computes with are views of it (no copy-in, no
+  copy-out). When the group is not sharded (one shard) it is ``shard`` itself.
+- ``grad_buffer``: the whole flat gradient buffer, behind ``param.main_grad``.
+  Reduced by one reduce-scatter (or all-reduce) straight into the sharded
+  gradients.
+
+Which of these are sharded is decided by the ``ShardingPlan``; the group only
+reads its three flags.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from .buffer import FlatBuffer
+from .collectives import Pending, all_gather, all_reduce, reduce_scatter
+from .layout import FlatLayout, build_flat_layout
+from .ragged_shard import RaggedShard
+from .strategy import ShardingPlan
+
+_SKIPPED_ATTRS = {"_is_param", "main_grad", "grad_added_to_main_grad"}
+
+
+@dataclass
+class ParamRef:
+    """An original parameter and every (module, attribute) that registers it."""
+
+    fqn: str
+    param: nn.Parameter
+    uses: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+
+class GroupState(enum.Enum):
+    SHARDED = "sharded"  # modules hold the sharded DTensor parameters
+    UNSHARDED = "unsharded"  # modules hold views of the gathered flat buffer
+
+
+@dataclass
+class PendingReduce:
+    """A gradient reduction in flight and where its result lands."""
+
+    group: ParamGroup
+    work: Pending
+    output: torch.Tensor  # this rank's reduced shard, flat
+
+    def finish(self) -> None:
+        self.work.wait()
+        self.group.install_grads(self.output)
+
+
+def copy_param_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Carry attributes training loops rely on (``sequence_parallel``, ...) to ``dst``."""
+    for name, value in vars(src).items():
+        if name not in _SKIPPED_ATTRS and not name.startswith("_megatron_fsdp"):
+            setattr(dst, name, value)
+
+
+class ParamGroup:
+    """Flat storage, sharded and unsharded parameters, and collectives for one group."""
+
+    def __init__(
+        self,
+        refs: list[ParamRef],
+        mesh: DeviceMesh,
+        plan: ShardingPlan,
+        device: torch.device,
+        on_grads_ready: Callable[[ParamGroup], None],
+    ) -> None:
+        self.refs = refs
+        self.mesh = mesh
+        self.plan = plan
+        self.process_group: dist.ProcessGroup = mesh.get_group(0)
+        self.dp_size = mesh.size(0)
+        self.shard_world = self.dp_size if plan.optim else 1
+        self.shard_rank = mesh.get_local_rank(0) if plan.optim else 0
+        first = refs[0].param
+        self.dtype = first.dtype
+        self.requires_grad = first.requires_grad
+        self.layout: FlatLayout = build_flat_layout([tuple(r.param.shape) for r in refs], self.shard_world)
+        self._on_grads_ready = on_grads_ready
+
+        self.shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+        self._fill_shard_from(refs)
+        self.gathers = self.shard_world > 1
+        self.unsharded = (
+            FlatBuffer(self.layout.total_numel, self.dtype, device, allocated=True) if self.gathers else None
+        )
+        self.sharded_params = [self._make_sharded_param(i) for i in range(len(refs))]
+        self.unsharded_params = [self._make_unsharded_param(i) for i in range(len(refs))]
+        if self.unsharded is not None:
+            self.unsharded.free()  # views were taken while allocated; they survive this
+        self.state = GroupState.SHARDED
+        self._gather: Pending | None = None
+        self._install(self.sharded_params)
+
+        self.grad_buffer: torch.Tensor | None = None
+        self._grad_indices = {i for i, r in enumerate(refs) if r.param.requires_grad}
+        self._grads_seen: set[int] = set()
+        self.reduced_this_backward = False
+
+    # -- construction -------------------------------------------------------
+    def _local_rows(self, source: torch.Tensor, index: int) -> torch.Tensor:
+        piece = self.layout.piece(index, self.shard_rank)
+        return source.narrow(0, piece.row_start, piece.row_count) if source.dim() else source
+
+    def shard_view(self, index: int, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's rows of parameter ``index`` inside a flat shard-sized tensor."""
+        flat = self.shard if flat is None else flat
+        slot = self.layout.slots[index]
+        piece = self.layout.piece(index, self.shard_rank)
+        numel = piece.row_count * slot.row_numel
+        return flat.narrow(0, piece.shard_offset, numel).view(piece.local_shape(slot.shape))
+
+    def _fill_shard_from(self, refs: list[ParamRef]) -> None:
+        with torch.no_grad():
+            for i, ref in enumerate(refs):
+                self.shard_view(i).copy_(self._local_rows(ref.param.detach(), i))
+
+    def _placement(self, index: int):
+        if not self.gathers:
+            return Replicate()
+        return RaggedShard(0, self.layout.rows_per_rank(index))
+
+    def as_dtensor(self, index: int, local: torch.Tensor) -> DTensor:
+        """Wrap this rank's piece of parameter ``index`` (or its grad) as a DTensor."""
+        slot = self.layout.slots[index]
+        full_stride = torch.empty(slot.shape, device="meta").stride()
+        return DTensor.from_local(
+            local, self.mesh, [self._placement(index)], run_check=False,
+            shape=torch.Size(slot.shape), stride=full_stride,
+        )
+
+    def _make_sharded_param(self, index: int) -> nn.Parameter:
+        original = self.refs[index].param
+        with torch.no_grad():
+            dtensor = self.as_dtensor(index, self.shard_view(index))
+        param = nn.Parameter(dtensor, requires_grad=original.requires_grad)
+        copy_param_attributes(original, param)
+        param._megatron_fsdp_sharded = True
+        return param
+
+    def _make_unsharded_param(self, index: int) -> nn.Parameter:
+        slot = self.layout.slots[index]
+        source = self.unsharded.data if self.gathers else self.shard
+        param = nn.Parameter(source.narrow(0, slot.offset, slot.numel).view(slot.shape),
+                             requires_grad=self.refs[index].param.requires_grad)
+        copy_param_attributes(self.refs[index].param, param)
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(partial(self._on_grad_accumulated, index))
+        return param
+
+    # -- weights ------------------------------------------------------------
+    def check_unchanged(self) -> None:
+        """Fail loudly if the user replaced or reshaped a parameter after wrapping."""
+        for i, (ref, sharded, unsharded) in enumerate(zip(self.refs, self.sharded_params, self.unsharded_params)):
+            for module, name in ref.uses:
+                current = module._parameters.get(name)
+                if current is not sharded and current is not unsharded:
+                    raise RuntimeError(
+                        f"parameter '{ref.fqn}' was replaced after fully_shard (now "
+                        f"{type(current).__name__} of shape {tuple(getattr(current, 'shape', ()))}); "
+                        "change parameters before wrapping, or wrap again from scratch"
+                    )
+            if sharded.shape != ref.param.shape or sharded.to_local().shape != self.shard_view(i).shape:
+                raise RuntimeError(
+                    f"parameter '{ref.fqn}' changed shape after fully_shard: was "
+                    f"{tuple(ref.param.shape)}, now {tuple(sharded.shape)}"
+                )
+
+    def start_unshard(self) -> None:
+        """Issue the all-gather of the weights (no-op if unsharded or in flight)."""
+        if self.state is GroupState.UNSHARDED or self._gather is not None or not self.gathers:
+            return
+        data = self.unsharded.allocate()
+        # Refilling the weights in place for backward bumps the version counter
+        # that autograd saved in forward; the values are the same ones forward
+        # used, so the counter is restored once the gather lands.
+        self._version_guard = torch.autograd._unsafe_preserve_version_counter(data)
+        self._gather = all_gather(data, self.shard, self.process_group)
+
+    def finish_unshard(self) -> None:
+        """Wait for the all-gather and point the modules at the unsharded views."""
+        if self.state is GroupState.UNSHARDED:
+            return
+        self.start_unshard()
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = None
+            self._version_guard.__exit__(None, None, None)
+        self._install(self.unsharded_params)
+        self.state = GroupState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Point the modules back at the sharded parameters and free the gathered weights."""
+        if self._gather is not None:  # a prefetch nobody consumed
+            self._gather.wait()
+            self._gather = None
+        if self.state is GroupState.SHARDED:
+            if self.unsharded is not None:
+                self.unsharded.free()
+            return
+        self._install(self.sharded_params)
+        if self.unsharded is not None:
+            self.unsharded.free()
+        self.state = GroupState.SHARDED
+
+    def _install(self, params: list[nn.Parameter]) -> None:
+        for ref, param in zip(self.refs, params):
+            for module, name in ref.uses:
+                module._parameters[name] = param
+
+    # -- gradients ----------------------------------------------------------
+    def prepare_grad_buffer(self) -> None:
+        """Make ``main_grad`` views exist before this group's backward runs."""
+        if not self._grad_indices:
+            return
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.zeros(self.layout.total_numel, dtype=self.dtype, device=self.shard.device)
+        for i in self._grad_indices:
+            slot = self.layout.slots[i]
+            self.unsharded_params[i].main_grad = self.grad_buffer.narrow(0, slot.offset, slot.numel).view(slot.shape)
+
+    def _drop_main_grads(self) -> None:
+        for i in self._grad_indices:
+            self.unsharded_params[i].__dict__.pop("main_grad", None)
+
+    def _on_grad_accumulated(self, index: int, param: nn.Parameter) -> None:
+        if self.grad_buffer is None or getattr(param, "main_grad", None) is None:
+            self.prepare_grad_buffer()
+        if param.grad is not None:
+            if getattr(param, "grad_added_to_main_grad", False):
+                # A fused wgrad kernel already wrote main_grad; .grad is a dummy.
+                param.grad_added_to_main_grad = False
+            else:
+                param.main_grad.add_(param.grad)
+            param.grad = None
+        self._grads_seen.add(index)
+        if self._grads_seen == self._grad_indices:
+            self._on_grads_ready(self)
+
+    @property
+    def grads_pending(self) -> bool:
+        return self.grad_buffer is not None and not self.reduced_this_backward
+
+    def reduce_grads(self, sync: bool) -> PendingReduce | None:
+        """Start reducing the accumulated gradients (unless ``sync`` is off)."""
+        self._grads_seen.clear()
+        if self.grad_buffer is None or not sync:
+            return None
+        buffer, self.grad_buffer = self.grad_buffer, None
+        self._drop_main_grads()
+        self.reduced_this_backward = True
+        if self.dp_size == 1:
+            return PendingReduce(self, Pending(None), buffer)
+        buffer.div_(self.dp_size)  # average, as DistributedDataParallel does
+        if self.plan.grads:
+            output = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=buffer.device)
+            return PendingReduce(self, reduce_scatter(output, buffer, self.process_group), output)
+        work = all_reduce(buffer, self.process_group)
+        n = self.layout.shard_numel
+        return PendingReduce(self, work, buffer.narrow(0, self.shard_rank * n, n))
+
+    def install_grads(self, reduced_shard: torch.Tensor) -> None:
+        """Add the reduced shard into the sharded parameters' ``.grad`` (creating them)."""
+        for i in sorted(self._grad_indices):
+            param = self.sharded_params[i]
+            local = self.shard_view(i, reduced_shard)
+            if param.grad is None:
+                param.grad = self.as_dtensor(i, local)
+            else:
+                param.grad.to_local().add_(local)
+

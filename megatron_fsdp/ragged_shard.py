@@ -1,0 +1,163 @@
+"""``RaggedShard``: a DTensor placement for dim-0 shards of arbitrary row counts.
+
+Stock ``Shard(0)`` assumes ``torch.chunk`` boundaries. Our flat-buffer layout
+gives each rank whole rows of a parameter, but not chunk-many, so stock DTensor
+code would mis-gather our shards (the uneven-DTensor pitfall of DESIGN.md §6).
+This placement records every rank's row count and overrides the placement
+hooks that DTensor's redistribution and DCP's chunk metadata go through.
+
+It compares equal to ``Shard(dim)`` so that sharding propagation treats
+element-wise work on our shards (what optimizers and norms do) as local work;
+its hash differs so that caches keyed on placements never confuse the two.
+
+Known limit (documented in docs/api.md): an out-of-place op on a ragged DTensor
+(``p * 2``) is given a plain ``Shard(0)`` by PyTorch's propagation rules.
+Parameters, gradients and optimizer state (created with ``*_like`` and updated
+in place) keep this placement; use ``megatron_fsdp.full_tensor`` on anything
+else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Shard
+
+
+class RaggedShard(Shard):
+    """Shard on ``dim`` where mesh rank ``r`` holds ``local_sizes[r]`` consecutive slices."""
+
+    def __init__(self, dim: int, local_sizes: Sequence[int]) -> None:
+        super().__init__(dim)
+        object.__setattr__(self, "local_sizes", tuple(int(s) for s in local_sizes))
+
+    # -- identity ---------------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RaggedShard):
+            return self.dim == other.dim and self.local_sizes == other.local_sizes
+        return isinstance(other, Shard) and type(other) is Shard and other.dim == self.dim
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(("RaggedShard", self.dim, self.local_sizes))
+
+    def __repr__(self) -> str:
+        return f"RaggedShard(dim={self.dim}, local_sizes={self.local_sizes})"
+
+    __str__ = __repr__
+
+    def __reduce__(self):
+        return (RaggedShard, (self.dim, self.local_sizes))
+
+    def __deepcopy__(self, memo):
+        return RaggedShard(self.dim, self.local_sizes)
+
+    # -- geometry ---------------------------------------------------------------
+    def offset(self, rank: int) -> int:
+        return sum(self.local_sizes[:rank])
+
+    def _check(self, dim_size: int, num_chunks: int) -> None:
+        if num_chunks != len(self.local_sizes) or dim_size != sum(self.local_sizes):
+            raise RuntimeError(
+                f"{self!r} describes {sum(self.local_sizes)} slices over "
+                f"{len(self.local_sizes)} ranks, but the tensor has {dim_size} slices "
+                f"on dim {self.dim} over {num_chunks} ranks"
+            )
+
+    def _local_shard_size_and_offset(self, curr_local_size, num_chunks, rank, **_):
+        self._check(int(curr_local_size), num_chunks)
+        return self.local_sizes[rank], self.offset(rank)
+
+    def _narrow(self, tensor: torch.Tensor, index: int) -> torch.Tensor:
+        return tensor.narrow(self.dim, self.offset(index), self.local_sizes[index])
+
+    # -- data movement ----------------------------------------------------------
+    def _to_replicate_tensor(
+        self,
+        local_tensor: torch.Tensor,
+        mesh: DeviceMesh,
+        mesh_dim: int,
+        current_logical_shape: Sequence[int],
+    ) -> torch.Tensor:
+        num_chunks = mesh.size(mesh_dim=mesh_dim)
+        self._check(int(current_logical_shape[self.dim]), num_chunks)
+        biggest = max(self.local_sizes)
+        pad = biggest - local_tensor.size(self.dim)
+        if pad:
+            pad_shape = list(local_tensor.shape)
+            pad_shape[self.dim] = pad
+            local_tensor = torch.cat([local_tensor, local_tensor.new_zeros(pad_shape)], self.dim)
+        gathered = funcol.all_gather_tensor(
+            local_tensor.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim)
+        )
+        if isinstance(gathered, funcol.AsyncCollectiveTensor):
+            gathered = gathered.wait()
+        pieces = torch.split(gathered, biggest, dim=self.dim)
+        return torch.cat(
+            [p.narrow(self.dim, 0, n) for p, n in zip(pieces, self.local_sizes)], dim=self.dim
+        )
+
+    def _replicate_to_shard(self, local_tensor, mesh, mesh_dim, shard_index, **_):
+        self._check(local_tensor.size(self.dim), mesh.size(mesh_dim=mesh_dim))
+        return self._narrow(local_tensor, int(shard_index)).clone()
+
+    def _shard_tensor(self, tensor, mesh, mesh_dim, src_data_rank=0):
+        # Every rank holds ``tensor``; ``src_data_rank`` broadcasting is the
+        # caller's concern for ragged layouts (our loaders pass identical data).
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            return tensor.new_empty(0, requires_grad=tensor.requires_grad)
+        return self._replicate_to_shard(tensor, mesh, mesh_dim, coordinate[mesh_dim])
+
+    def _reduce_shard_tensor(self, tensor, mesh, reduce_op, mesh_dim):
+        reduced = funcol.all_reduce(tensor.contiguous(), reduce_op, (mesh, mesh_dim))
+        if isinstance(reduced, funcol.AsyncCollectiveTensor):
+            reduced = reduced.wait()
+        return self._narrow(reduced, mesh.get_local_rank(mesh_dim)).clone()
+
+    def _split_tensor(self, tensor, num_chunks, *, with_padding=True, contiguous=True):
+        raise NotImplementedError(
+            f"{self!r}: padded torch.chunk splitting does not apply to ragged shards; "
+            "redistribute to Replicate() first"
+        )
+
+    def _to_new_shard_dim(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{self!r}: moving a ragged shard to another tensor dim is not supported; "
+            "redistribute to Replicate() first"
+        )
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind ``tensor`` (a DTensor or a plain tensor).
+
+    Unlike ``DTensor.full_tensor()`` this refuses a ``Shard`` DTensor whose local
+    shard sizes disagree with ``torch.chunk`` (one derived from a ragged shard
+    by an out-of-place op) instead of returning silently wrong data.
+    """
+    if not isinstance(tensor, DTensor):
+        return tensor
+    mesh = tensor.device_mesh
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if type(placement) is Shard:
+            local = torch.tensor([tensor.to_local().size(placement.dim)], device=tensor.device)
+            sizes = funcol.all_gather_tensor(local, 0, (mesh, mesh_dim))
+            if isinstance(sizes, funcol.AsyncCollectiveTensor):
+                sizes = sizes.wait()
+            n = mesh.size(mesh_dim)
+            expected = [t.size(0) for t in torch.empty(tensor.size(placement.dim), 0).chunk(n)]
+            expected += [0] * (n - len(expected))
+            if sizes.tolist() != expected:
+                raise RuntimeError(
+                    f"DTensor with placement {placement} has local sizes {sizes.tolist()} "
+                    f"on mesh dim {mesh_dim}, not torch.chunk's {expected}: it was derived "
+                    "from a RaggedShard parameter by an out-of-place op; gather the "
+                    "parameter (or its gradient / optimizer state) instead"
+                )
+    return tensor.full_tensor()

@@ -1,0 +1,61 @@
+"""Per-root runtime state: in-flight reductions and the end-of-backward callback.
+
+The root is the outermost unit whose forward runs first. It owns what spans
+units: the reductions still in flight (at most two, to bound memory) and the
+callback the autograd engine runs once backward is over, which reduces what no
+hook reduced, reshards everything and checks nothing was left behind.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from torch.autograd import Variable
+
+if TYPE_CHECKING:
+    from .param_group import PendingReduce
+    from .unit import FSDPUnit
+
+MAX_REDUCES_IN_FLIGHT = 2
+
+
+class RootState:
+    """State shared by all units under one root."""
+
+    def __init__(self, root: FSDPUnit, units: list[FSDPUnit]) -> None:
+        self.root = root
+        self.units = units
+        self._in_flight: deque[PendingReduce] = deque()
+        self._callback_queued = False
+        for unit in units:
+            unit.root_state = self
+
+    def queue_final_callback(self) -> None:
+        """Ask autograd to call ``finish_backward`` when this backward pass ends."""
+        if not self._callback_queued:
+            Variable._execution_engine.queue_callback(self.finish_backward)
+            self._callback_queued = True
+
+    def track(self, reduce: PendingReduce | None) -> None:
+        """Keep a reduction in flight, finishing the oldest beyond the limit."""
+        if reduce is None:
+            return
+        self._in_flight.append(reduce)
+        while len(self._in_flight) > MAX_REDUCES_IN_FLIGHT:
+            self._in_flight.popleft().finish()
+
+    def drain(self) -> None:
+        while self._in_flight:
+            self._in_flight.popleft().finish()
+
+    def finish_backward(self) -> None:
+        """Reduce leftovers (hooks that never fired), wait, reshard, reset."""
+        self._callback_queued = False
+        for unit in self.units:
+            for group in unit.groups:
+                if group.grads_pending:
+                    self.track(group.reduce_grads(unit.requires_gradient_sync))
+        self.drain()
+        for unit in self.units:
+            unit.finish_backward()

@@ -1,0 +1,170 @@
+"""FSDPUnit: the runtime of one ``fully_shard``-ed module (DESIGN.md §4).
+
+Its methods are the module's hooks:
+
+    pre_forward    unshard (all-gather) the unit's groups
+    post_forward   reshard (ZeRO-3, non-root) and arm the pre-backward hook
+    pre_backward   unshard again; make main_grad buffers exist
+    grads ready    (per group, when every trainable parameter's grad arrived)
+                   reduce-scatter / all-reduce into the sharded gradients
+    post_backward  (autograd reached the unit's inputs) reshard
+    finish         the root's end-of-backward callback: reshard, reset
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .param_group import ParamGroup
+from .strategy import ShardingPlan
+
+if TYPE_CHECKING:
+    from .state import RootState
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the unit's inputs whose backward signals 'unit backward done'."""
+
+    @staticmethod
+    def forward(ctx, unit: FSDPUnit, *inputs: torch.Tensor):
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.unit.post_backward()
+        return (None, *grads)
+
+
+class FSDPUnit:
+    """Hooks and state of one sharded module."""
+
+    def __init__(self, module: nn.Module, plan: ShardingPlan, reshard_after_forward: bool) -> None:
+        self._module = weakref.ref(module)
+        self.plan = plan
+        self.groups: list[ParamGroup] = []
+        self.reshard_after_forward = reshard_after_forward
+        self.requires_gradient_sync = True
+        self.root_state: RootState | None = None
+        self.state = TrainingState.IDLE
+        self._reshard_when_reduced = False
+        module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self.post_forward, always_call=True)
+
+    @property
+    def module(self) -> nn.Module:
+        module = self._module()
+        assert module is not None, "FSDPUnit outlived its module"
+        return module
+
+    @property
+    def is_root(self) -> bool:
+        return self.root_state is not None and self.root_state.root is self
+
+    # -- explicit control ---------------------------------------------------
+    def unshard(self) -> None:
+        for group in self.groups:
+            group.start_unshard()
+        for group in self.groups:
+            group.finish_unshard()
+
+    def reshard(self) -> None:
+        for group in self.groups:
+            group.reshard()
+
+    # -- forward ------------------------------------------------------------
+    def _lazy_init_root(self) -> None:
+        from .module import FSDPModule
+        from .state import RootState
+
+        units = [m.fsdp_unit for m in self.module.modules() if isinstance(m, FSDPModule)]
+        RootState(self, units)
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self.root_state is None:
+            self._lazy_init_root()
+        for group in self.groups:
+            group.check_unchanged()
+        if self.state is not TrainingState.BACKWARD:
+            self.state = TrainingState.FORWARD
+        self.unshard()
+        if not torch.is_grad_enabled():
+            return None
+        return self._register_post_backward(args, kwargs)
+
+    def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not positions:
+            return None
+        wrapped = _PostBackward.apply(self, *(flat[i] for i in positions))
+        for i, tensor in zip(positions, wrapped):
+            flat[i] = tensor
+        return tree_unflatten(flat, spec)
+
+    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.state is TrainingState.BACKWARD:
+            # Recomputation inside backward (activation checkpointing): the
+            # unit's backward still needs its weights.
+            return output
+        if self.plan.params and self.reshard_after_forward and not self.is_root:
+            self.reshard()
+        self.state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self.pre_backward, mode="any")
+        return output
+
+    # -- backward -----------------------------------------------------------
+    def pre_backward(self, *_: Any) -> None:
+        if self.root_state is not None:
+            self.root_state.queue_final_callback()
+        self.state = TrainingState.BACKWARD
+        self.unshard()
+        for group in self.groups:
+            group.prepare_grad_buffer()
+
+    def on_grads_ready(self, group: ParamGroup) -> None:
+        """Every trainable parameter of ``group`` has its gradient: reduce it."""
+        reduce = group.reduce_grads(self.requires_gradient_sync)
+        if self.root_state is not None:
+            self.root_state.track(reduce)
+        elif reduce is not None:
+            reduce.finish()
+        if self._reshard_when_reduced and not any(g.grads_pending for g in self.groups):
+            self._reshard_when_reduced = False
+            self.reshard()
+
+    def post_backward(self) -> None:
+        """Autograd computed the gradients of the unit's inputs."""
+        if not self.plan.params:
+            return
+        if any(g.grads_pending for g in self.groups):
+            self._reshard_when_reduced = True
+        else:
+            self.reshard()
+
+    def finish_backward(self) -> None:
+        """End of backward (called by the root): release weights, reset state."""
+        keep_weights = not self.plan.params and not self.requires_gradient_sync
+        if not keep_weights:
+            # ZeRO-3 releases weights; ZeRO-1/2 weights go stale at the optimizer
+            # step and are gathered again by the next forward.
+            self.reshard()
+        for group in self.groups:
+            group.reduced_this_backward = False
+        self._reshard_when_reduced = False
+        self.state = TrainingState.IDLE
