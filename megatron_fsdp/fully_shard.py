@@ -53,7 +53,7 @@ def _collect_params(module: nn.Module) -> list[ParamRef]:
             if param is None:
                 continue
             fqn = f"{prefix}{name}"
-            if getattr(param, "_megatron_fsdp_sharded", False):
+            if getattr(param, "_megatron_fsdp_sharded", False) or getattr(param, "_megatron_fsdp_managed", False):
                 raise ValueError(
                     f"parameter '{fqn}' is already sharded by another fully_shard unit (it is "
                     "shared with a module outside that unit); apply fully_shard to a common "
@@ -70,15 +70,16 @@ def _collect_params(module: nn.Module) -> list[ParamRef]:
 def _validate_params(module: nn.Module, refs: list[ParamRef], plan: ShardingPlan, mesh: DeviceMesh) -> None:
     name = type(module).__name__
     devices = {ref.param.device for ref in refs}
-    if any(d.type == "meta" for d in devices):
-        meta = [r.fqn for r in refs if r.param.device.type == "meta"]
-        raise ValueError(
-            f"fully_shard({name}): parameters {meta} are on the meta device; materialise them "
-            "first (module.to_empty(device=...) then reset_parameters())"
-        )
     if len(devices) > 1:
         detail = ", ".join(f"'{r.fqn}' on {r.param.device}" for r in refs)
-        raise ValueError(f"fully_shard({name}): parameters are on mixed devices ({detail}); move the module to one device first")
+        raise ValueError(
+            f"fully_shard({name}): parameters are on mixed devices ({detail}); move the module to one device first"
+        )
+    if any(d.type == "meta" for d in devices):
+        raise ValueError(
+            f"fully_shard({name}): parameters {[r.fqn for r in refs]} are on the meta device; materialise "
+            "them first (module.to_empty(device=...) then reset_parameters())"
+        )
     if plan.optim and mesh.size(0) > 1:
         scalars = [r.fqn for r in refs if r.param.dim() == 0]
         if scalars:

@@ -97,6 +97,8 @@ class ParamGroup:
 
         self.shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
         self._fill_shard_from(refs)
+        for ref in refs:  # lets an enclosing fully_shard spot a parameter shared across units
+            ref.param._megatron_fsdp_managed = True
         self.gathers = self.shard_world > 1
         self.unsharded = (
             FlatBuffer(self.layout.total_numel, self.dtype, device, allocated=True) if self.gathers else None

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Create .venv with the CPU build of torch and the package (editable) plus test tools.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e ".[test]"

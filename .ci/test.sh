@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test command: lint, then the whole suite (unit, distributed on gloo, functional).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || bash .ci/setup.sh
+.venv/bin/ruff check megatron_fsdp tests examples benchmarks
+.venv/bin/python -m pytest -q tests "$@"

@@ -1,0 +1,365 @@
+"""Checks of the core engine, run inside one spawned gloo group (see harness)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from models import Block, Net, global_batch, local_batch, loss_fn
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import megatron_fsdp
+from megatron_fsdp import RaggedShard, comm_stats, fully_shard
+from tests.distributed.harness import check
+
+SUITE = "engine"
+STEPS = 6
+
+
+def shard_net(model: Net, strategy: str, **kwargs) -> Net:
+    for block in model.blocks:
+        fully_shard(block, sharding_strategy=strategy, **kwargs)
+    fully_shard(model.probe, sharding_strategy=strategy, **kwargs)
+    fully_shard(model, sharding_strategy=strategy, **kwargs)
+    return model
+
+
+def world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def make_optimizer(kind: str, params):
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if kind == "adamw_fused":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+    if kind == "adamw_single":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def assert_close_params(
+    sharded: nn.Module, reference: nn.Module, *, exact: bool, rtol: float = 0, atol: float = 0, what: str = ""
+) -> float:
+    worst = 0.0
+    ref = dict(reference.named_parameters())
+    for name, param in sharded.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        expected = ref[name].detach()
+        if exact:
+            assert torch.equal(full, expected), f"{what} {name}: max diff {(full - expected).abs().max().item()}"
+        else:
+            err = ((full - expected).abs() / (expected.abs() + 1e-3)).max().item()
+            worst = max(worst, err)
+            torch.testing.assert_close(full, expected, rtol=rtol, atol=atol, msg=f"{what} {name}")
+    return worst
+
+
+def run_parity(strategy: str, optimizer: str = "adamw", **kwargs) -> None:
+    rank, n = world()
+    torch.manual_seed(0)
+    base = Net()
+    single = copy.deepcopy(base)
+    ddp = DDP(copy.deepcopy(base), find_unused_parameters=True)
+    ours = shard_net(copy.deepcopy(base), strategy, **kwargs)
+    assert [k for k, _ in ours.named_parameters()] == [k for k, _ in base.named_parameters()]
+    opt_single = make_optimizer(optimizer, single.parameters())
+    opt_ddp = make_optimizer(optimizer, ddp.parameters())
+    opt_ours = make_optimizer(optimizer, ours.parameters())
+    for step in range(STEPS):
+        batch = local_batch(step, rank, n)
+        loss = loss_fn(ours, batch)
+        loss.backward()
+        opt_ours.step()
+        opt_ours.zero_grad()
+        loss_ddp = loss_fn(ddp, batch)
+        loss_ddp.backward()
+        opt_ddp.step()
+        opt_ddp.zero_grad()
+        loss_fn(single, global_batch(step, n)).backward()
+        opt_single.step()
+        opt_single.zero_grad()
+        if n == 2 and optimizer != "adamw_fused":
+            assert loss.item() == loss_ddp.item(), f"step {step}: loss {loss.item()} vs DDP {loss_ddp.item()}"
+            assert_close_params(ours, ddp.module, exact=True, what=f"{strategy} step {step} vs DDP")
+        else:
+            assert_close_params(ours, ddp.module, exact=False, rtol=0, atol=1e-6, what=f"{strategy} step {step} vs DDP")
+    worst = assert_close_params(ours, single, exact=False, rtol=1e-5, atol=1e-6, what=f"{strategy} vs single-process")
+    if rank == 0:
+        print(f"parity {strategy}/{optimizer} n={n}: worst relative error vs single-process {worst:.2e}")
+
+
+@check(SUITE)
+def parity_no_shard() -> None:
+    run_parity("no_shard")
+
+
+@check(SUITE)
+def parity_optim() -> None:
+    run_parity("optim")
+
+
+@check(SUITE)
+def parity_optim_grads() -> None:
+    run_parity("optim_grads")
+
+
+@check(SUITE)
+def parity_optim_grads_params() -> None:
+    run_parity("optim_grads_params")
+
+
+@check(SUITE)
+def parity_zero3_keep_weights_after_forward() -> None:
+    run_parity("optim_grads_params", reshard_after_forward=False)
+
+
+@check(SUITE)
+def parity_fused_adamw() -> None:
+    run_parity("optim_grads_params", optimizer="adamw_fused")
+
+
+@check(SUITE, world_sizes=(2,))
+def parity_single_tensor_adamw() -> None:
+    run_parity("optim_grads", optimizer="adamw_single")
+
+
+@check(SUITE)
+def parity_sgd_momentum() -> None:
+    run_parity("optim_grads_params", optimizer="sgd")
+
+
+@check(SUITE)
+def zero_row_shards_exist() -> None:
+    """The parity model really gives some rank zero rows of some parameter."""
+    model = shard_net(Net(), "optim_grads_params")
+    empty = torch.tensor([sum(p.to_local().numel() == 0 for p in model.parameters())])
+    dist.all_reduce(empty)
+    assert empty.item() > 0
+    placements = {type(p.placements[0]) for p in model.parameters()}
+    assert placements == {RaggedShard}, placements
+
+
+@check(SUITE)
+def zero_copy_views() -> None:
+    """Sharded params view the group's shard; unsharded params view the gathered buffer."""
+    model = shard_net(Net(), "optim_grads_params")
+    for group in model.blocks[0].fsdp_unit.groups:
+        lo = group.shard.data_ptr()
+        hi = lo + group.shard.numel() * group.shard.element_size()
+        for p in group.sharded_params:
+            local = p.to_local()
+            assert local.numel() == 0 or lo <= local.data_ptr() < hi
+    seen = []
+    block = model.blocks[0]
+    handle = block.up.register_forward_pre_hook(lambda m, a: seen.append((m.weight.data_ptr(), type(m.weight))))
+    loss_fn(model, local_batch(0, *world())).backward()
+    handle.remove()
+    group = block.fsdp_unit.groups[0]
+    assert seen and seen[0][1] is nn.Parameter
+    # the buffer is freed after backward; the view offset is what we can still check
+    slot = next(s for s, r in zip(group.layout.slots, group.refs) if r.fqn == "up.weight")
+    assert group.unsharded_params[[r.fqn for r in group.refs].index("up.weight")].storage_offset() == slot.offset
+
+
+@check(SUITE)
+def nothing_live_after_backward() -> None:
+    model = shard_net(Net(), "optim_grads_params")
+    loss_fn(model, local_batch(0, *world())).backward()
+    for module in model.modules():
+        if isinstance(module, megatron_fsdp.FSDPModule):
+            for group in module.fsdp_unit.groups:
+                assert group.grad_buffer is None, module
+                assert not group.unsharded.allocated, module
+                assert group.state.value == "sharded"
+    for p in model.parameters():
+        assert isinstance(p, DTensor)
+        assert (p.grad is None) == (not p.requires_grad) or model.probe.up.weight is p or p.grad is None
+
+
+@check(SUITE)
+def dtensor_full_state_dict_and_full_tensor() -> None:
+    torch.manual_seed(0)
+    base = Net()
+    model = shard_net(copy.deepcopy(base), "optim_grads_params")
+    assert list(model.state_dict().keys()) == list(base.state_dict().keys())
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    expected = base.state_dict()
+    assert full.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(full[key], value), key
+    for (name, p), q in zip(model.named_parameters(), base.parameters()):
+        assert torch.equal(p.full_tensor(), q), name
+        assert torch.equal(megatron_fsdp.full_tensor(p), q), name
+
+
+@check(SUITE)
+def dtensor_clip_grad_norm() -> None:
+    rank, n = world()
+    torch.manual_seed(0)
+    base = Net()
+    ddp = DDP(copy.deepcopy(base), find_unused_parameters=True)
+    model = shard_net(copy.deepcopy(base), "optim_grads_params")
+    batch = local_batch(0, rank, n)
+    loss_fn(model, batch).backward()
+    loss_fn(ddp, batch).backward()
+    ours = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    ref = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5)
+    ours = ours.full_tensor() if isinstance(ours, DTensor) else ours
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0)
+    grads = dict((k, p.grad) for k, p in ddp.module.named_parameters())
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad.full_tensor(), grads[name], rtol=1e-6, atol=1e-7)
+
+
+@check(SUITE)
+def derived_ragged_tensor_is_refused() -> None:
+    model = shard_net(Net(), "optim_grads_params")
+    n = dist.get_world_size()
+    ragged = [p for p in model.parameters() if list(p.placements[0].local_sizes) != chunk_sizes(p.shape[0], n)]
+    assert ragged, "expected a parameter whose rows do not follow torch.chunk"
+    param = ragged[0]
+    derived = param * 2 + 1
+    if isinstance(derived.placements[0], RaggedShard):  # propagation kept our placement
+        assert torch.equal(megatron_fsdp.full_tensor(derived), param.full_tensor() * 2 + 1)
+        return
+    try:
+        megatron_fsdp.full_tensor(derived)
+    except RuntimeError as e:
+        assert "out-of-place" in str(e)
+    else:
+        raise AssertionError("full_tensor accepted a mis-laid-out derived DTensor")
+
+
+def chunk_sizes(rows: int, n: int) -> list[int]:
+    sizes = [t.size(0) for t in torch.empty(rows, 0).chunk(n)]
+    return sizes + [0] * (n - len(sizes))
+
+
+def expected_bytes(model: nn.Module) -> tuple[int, int]:
+    """ZeRO-3 minimum for one step: gathers (twice for non-root units) and reduce-scatters."""
+    gather = reduce = 0
+    for module in model.modules():
+        if isinstance(module, megatron_fsdp.FSDPModule):
+            unit = module.fsdp_unit
+            for group in unit.groups:
+                nbytes = group.layout.total_numel * group.shard.element_size()
+                used = module is not model.probe
+                times = 1 if unit.is_root or not used else 2
+                gather += times * nbytes
+                if group.requires_grad and used:
+                    reduce += nbytes
+    return gather, reduce
+
+
+@check(SUITE)
+def bytes_match_zero3_minimum() -> None:
+    model = shard_net(Net(), "optim_grads_params")
+    batch = local_batch(0, *world())
+    loss_fn(model, batch).backward()  # lazy init
+    comm_stats.reset()
+    loss_fn(model, batch).backward()
+    gather, reduce = expected_bytes(model)
+    # blocks[0] runs twice per forward: one more gather (backward finds it still unsharded
+    # between its two backward calls, because its gradients are not complete yet)
+    extra = sum(g.layout.total_numel * 4 for g in model.blocks[0].fsdp_unit.groups)
+    assert comm_stats.bytes["all_gather"] == gather + extra, (dict(comm_stats.bytes), gather + extra)
+    assert comm_stats.bytes["reduce_scatter"] == reduce, (dict(comm_stats.bytes), reduce)
+    assert set(comm_stats.bytes) == {"all_gather", "reduce_scatter"}
+
+
+@check(SUITE)
+def bytes_per_strategy() -> None:
+    batch = local_batch(0, *world())
+    for strategy, kinds in [("no_shard", {"all_reduce"}), ("optim", {"all_gather", "all_reduce"}),
+                            ("optim_grads", {"all_gather", "reduce_scatter"})]:
+        model = shard_net(Net(), strategy)
+        loss_fn(model, batch).backward()
+        comm_stats.reset()
+        loss_fn(model, batch).backward()
+        assert set(comm_stats.bytes) == kinds, (strategy, dict(comm_stats.bytes))
+        if "all_gather" in kinds:  # gathered once per step, not per use
+            params = sum(g.layout.total_numel * 4 for m in model.modules()
+                         if isinstance(m, megatron_fsdp.FSDPModule) for g in m.fsdp_unit.groups)
+            assert comm_stats.bytes["all_gather"] == params, (strategy, dict(comm_stats.bytes), params)
+
+
+@check(SUITE)
+def no_sync_accumulation_matches_big_batch() -> None:
+    rank, n = world()
+    for strategy in ("optim_grads_params", "optim_grads", "optim", "no_shard"):
+        torch.manual_seed(0)
+        base = Net()
+        ddp = DDP(copy.deepcopy(base), find_unused_parameters=True)
+        ours = shard_net(copy.deepcopy(base), strategy)
+        micro = [local_batch(s, rank, n) for s in range(3)]
+        with ours.no_sync():
+            for b in micro[:-1]:
+                (loss_fn(ours, b) / 3).backward()
+        (loss_fn(ours, micro[-1]) / 3).backward()
+        with ddp.no_sync():
+            for b in micro[:-1]:
+                (loss_fn(ddp, b) / 3).backward()
+        (loss_fn(ddp, micro[-1]) / 3).backward()
+        grads = dict((k, p.grad) for k, p in ddp.module.named_parameters())
+        for name, p in ours.named_parameters():
+            if grads[name] is None:
+                assert p.grad is None, name
+                continue
+            torch.testing.assert_close(p.grad.full_tensor(), grads[name], rtol=1e-6, atol=1e-7,
+                                       msg=f"{strategy} {name}")
+
+
+def expect_error(exc: type[Exception], fragment: str, fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except exc as e:
+        assert fragment in str(e), f"message {str(e)!r} lacks {fragment!r}"
+    else:
+        raise AssertionError(f"no {exc.__name__} raised")
+
+
+@check(SUITE, world_sizes=(4,))
+def bad_input_errors() -> None:
+    expect_error(ValueError, "valid: 'no_shard'", fully_shard, Block(), sharding_strategy="zero4")
+    mesh2d = init_device_mesh("cpu", (2, 2))
+    expect_error(ValueError, "1-D", fully_shard, Block(), mesh=mesh2d)
+    mixed = Block()
+    mixed.up.to("meta")
+    expect_error(ValueError, "mixed devices", fully_shard, mixed)
+    expect_error(ValueError, "meta device", fully_shard, Block().to("meta"))
+    twice = fully_shard(Block())
+    expect_error(ValueError, "already applied", fully_shard, twice)
+    scalar = nn.Module()
+    scalar.w = nn.Parameter(torch.tensor(1.0))
+    expect_error(ValueError, "0-dim", fully_shard, scalar)
+    fully_shard(scalar, sharding_strategy="no_shard")  # fine when not sharded
+
+    tied = Net()
+    fully_shard(tied.embed)
+    expect_error(ValueError, "common ancestor", fully_shard, tied)
+
+    model = shard_net(Net(), "optim_grads_params")
+    model.blocks[2].up.weight = nn.Parameter(torch.randn(5, 5))
+    expect_error(RuntimeError, "'up.weight' was replaced", loss_fn, model, local_batch(0, *world()))
+
+
+@check(SUITE, world_sizes=(2,))
+def unshard_reshard_api() -> None:
+    torch.manual_seed(0)
+    base = Block()
+    block = fully_shard(copy.deepcopy(base))
+    block.unshard()
+    assert type(block.up.weight) is nn.Parameter and torch.equal(block.up.weight, base.up.weight)
+    block.reshard()
+    assert isinstance(block.up.weight, DTensor)
+    block.set_reshard_after_forward(False)
+    block.set_requires_gradient_sync(False)
+    assert not block.fsdp_unit.reshard_after_forward and not block.fsdp_unit.requires_gradient_sync
+    assert type(block).__name__ == "FSDPBlock" and isinstance(block, Block)

@@ -1,0 +1,82 @@
+"""Run many named checks inside one group of gloo processes.
+
+Launching processes is the slow part of a distributed test, so each test file
+spawns one group per world size and runs all its checks in it; pytest then
+reports every check separately from the collected results.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+CHECKS: dict[str, list[tuple[str, Callable[[], None]]]] = {}
+
+
+def check(suite: str, world_sizes: tuple[int, ...] = (2, 4)):
+    """Register ``fn`` as a check of ``suite`` run at each of ``world_sizes``."""
+
+    def register(fn: Callable[[], None]) -> Callable[[], None]:
+        for n in world_sizes:
+            CHECKS.setdefault(f"{suite}@{n}", []).append((fn.__name__, fn))
+        return fn
+
+    return register
+
+
+def names(suite: str, world_size: int) -> list[str]:
+    return [name for name, _ in CHECKS.get(f"{suite}@{world_size}", [])]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, module: str, suite: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    __import__(module)  # registers the checks in this process
+    results: dict[str, str | None] = {}
+    for name, fn in CHECKS[f"{suite}@{world_size}"]:
+        try:
+            torch.manual_seed(1234)
+            fn()
+            results[name] = None
+        except Exception:  # reported per check by pytest
+            results[name] = traceback.format_exc()
+        dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def run_suite(module: str, suite: str, world_size: int) -> dict[str, list[str]]:
+    """Spawn ``world_size`` ranks running ``suite``; return failures per check name."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _worker, args=(world_size, _free_port(), module, suite, out_dir), nprocs=world_size,
+            start_method="spawn", join=True,
+        )
+        per_rank = []
+        for r in range(world_size):
+            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                per_rank.append(json.load(f))
+    failures: dict[str, list[str]] = {}
+    for r, results in enumerate(per_rank):
+        for name, error in results.items():
+            failures.setdefault(name, [])
+            if error:
+                failures[name].append(f"rank {r}:\n{error}")
+    return failures
