@@ -7,9 +7,23 @@ Public API (see docs/api.md)::
 
 from .collectives import comm_stats
 from .fully_shard import fully_shard
+from .grad_scaling import GradScaling
+from .microbatch import microbatch
 from .module import FSDPModule
+from .no_shard import fsdp_no_shard
 from .ragged_shard import RaggedShard, full_tensor
 from .strategy import STRATEGIES, ShardingPlan
 
-__all__ = ["FSDPModule", "RaggedShard", "STRATEGIES", "ShardingPlan", "comm_stats", "full_tensor", "fully_shard"]
+__all__ = [
+    "FSDPModule",
+    "GradScaling",
+    "RaggedShard",
+    "STRATEGIES",
+    "ShardingPlan",
+    "comm_stats",
+    "fsdp_no_shard",
+    "full_tensor",
+    "fully_shard",
+    "microbatch",
+]
 __version__ = "0.1.0"

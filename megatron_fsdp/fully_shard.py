@@ -11,9 +11,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .grad_scaling import resolve_grad_scaling
 from .module import FSDPModule, make_fsdp_module
+from .no_shard import is_marked_no_shard
 from .param_group import ParamGroup, ParamRef
-from .strategy import ShardingPlan, resolve_strategy
+from .strategy import STRATEGIES, ShardingPlan, resolve_strategy
 from .unit import FSDPUnit
 
 
@@ -59,7 +61,10 @@ def _collect_params(module: nn.Module) -> list[ParamRef]:
                     "shared with a module outside that unit); apply fully_shard to a common "
                     "ancestor of every module that uses it instead"
                 )
-            refs.setdefault(id(param), ParamRef(fqn, param)).uses.append((mod, name))
+            ref = refs.setdefault(id(param), ParamRef(fqn, param))
+            ref.uses.append((mod, name))
+            # 0-dim parameters have no rows to shard: they stay replicated.
+            ref.replicated |= is_marked_no_shard(mod, param) or param.dim() == 0
         children = [(f"{prefix}{n}.", c) for n, c in mod._modules.items() if c is not None]
         for child_prefix, child in reversed(children):
             if not isinstance(child, FSDPModule):
@@ -67,7 +72,7 @@ def _collect_params(module: nn.Module) -> list[ParamRef]:
     return list(refs.values())
 
 
-def _validate_params(module: nn.Module, refs: list[ParamRef], plan: ShardingPlan, mesh: DeviceMesh) -> None:
+def _validate_params(module: nn.Module, refs: list[ParamRef]) -> None:
     name = type(module).__name__
     devices = {ref.param.device for ref in refs}
     if len(devices) > 1:
@@ -80,13 +85,6 @@ def _validate_params(module: nn.Module, refs: list[ParamRef], plan: ShardingPlan
             f"fully_shard({name}): parameters {[r.fqn for r in refs]} are on the meta device; materialise "
             "them first (module.to_empty(device=...) then reset_parameters())"
         )
-    if plan.optim and mesh.size(0) > 1:
-        scalars = [r.fqn for r in refs if r.param.dim() == 0]
-        if scalars:
-            raise ValueError(
-                f"fully_shard({name}): 0-dim parameters {scalars} have no rows to shard; "
-                "use sharding_strategy='no_shard' for this module or give them shape (1,)"
-            )
 
 
 def fully_shard(
@@ -95,6 +93,7 @@ def fully_shard(
     mesh: DeviceMesh | None = None,
     sharding_strategy: str | int | ShardingPlan = "optim_grads_params",
     reshard_after_forward: bool = True,
+    gradient_scaling: str | float = "mean",
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` and make it an ``FSDPModule``.
 
@@ -105,6 +104,9 @@ def fully_shard(
             (ZeRO-2) or ``"optim_grads_params"`` (ZeRO-3), or a ZeRO stage 0-3.
         reshard_after_forward: ZeRO-3 only: free the gathered weights after
             forward and gather again for backward (the root unit never does).
+        gradient_scaling: ``"mean"`` (average over data-parallel ranks, like DDP),
+            ``"sum"`` (per-token losses normalised by the training loop), or a
+            positive number every rank's gradient is multiplied by before summing.
 
     Returns:
         ``module`` itself, whose ``parameters()`` are now sharded DTensors.
@@ -115,20 +117,28 @@ def fully_shard(
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
     plan = resolve_strategy(sharding_strategy)
+    scaling = resolve_grad_scaling(gradient_scaling)
     mesh = default_mesh() if mesh is None else mesh
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim != 1:
         raise ValueError(f"mesh must be 1-D (data-parallel ranks); got a {mesh.ndim}-D mesh {mesh}")
     refs = _collect_params(module)
-    _validate_params(module, refs, plan, mesh)
+    _validate_params(module, refs)
     device = mesh_device(mesh)
+    if refs and all(ref.replicated for ref in refs):
+        # Everything is fsdp_no_shard: no unit, no hooks; the enclosing unit
+        # keeps these parameters in its replicated group.
+        return module
 
-    unit = FSDPUnit(module, plan, reshard_after_forward)
-    by_kind: dict[tuple[torch.dtype, bool], list[ParamRef]] = {}
+    unit = FSDPUnit(module, plan, reshard_after_forward, scaling)
+    by_kind: dict[tuple[torch.dtype, bool, bool], list[ParamRef]] = {}
     for ref in refs:
-        by_kind.setdefault((ref.param.dtype, ref.param.requires_grad), []).append(ref)
-    unit.groups = [ParamGroup(g, mesh, plan, device, unit.on_grads_ready) for g in by_kind.values()]
+        by_kind.setdefault((ref.param.dtype, ref.param.requires_grad, ref.replicated), []).append(ref)
+    unit.groups = [
+        ParamGroup(group, mesh, STRATEGIES["no_shard"] if replicated else plan, device, unit.on_grads_ready)
+        for (_, _, replicated), group in by_kind.items()
+    ]
     _move_buffers(module, device)
     return make_fsdp_module(module, unit)
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from .grad_scaling import resolve_grad_scaling
 from .unit import FSDPUnit
 
 _UNIT_ATTR = "_megatron_fsdp_unit"
@@ -54,6 +55,12 @@ class FSDPModule:
         """Free (ZeRO-3) weights after forward, or keep them for backward."""
         for unit in self._fsdp_units(recurse):
             unit.reshard_after_forward = bool(reshard_after_forward)
+
+    def set_gradient_scaling(self, gradient_scaling: str | float, *, recurse: bool = True) -> None:
+        """Normalise reduced gradients by ``"mean"``, ``"sum"`` or a positive factor."""
+        scaling = resolve_grad_scaling(gradient_scaling)
+        for unit in self._fsdp_units(recurse):
+            unit.grad_scaling = scaling
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

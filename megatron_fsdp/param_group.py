@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .buffer import FlatBuffer
 from .collectives import Pending, all_gather, all_reduce, reduce_scatter
+from .grad_scaling import GradScaling
 from .layout import FlatLayout, build_flat_layout
 from .ragged_shard import RaggedShard
 from .strategy import ShardingPlan
@@ -44,6 +45,7 @@ class ParamRef:
     fqn: str
     param: nn.Parameter
     uses: list[tuple[nn.Module, str]] = field(default_factory=list)
+    replicated: bool = False  # marked fsdp_no_shard (or 0-dim): never sharded
 
 
 class GroupState(enum.Enum):
@@ -260,7 +262,7 @@ class ParamGroup:
     def grads_pending(self) -> bool:
         return self.grad_buffer is not None and not self.reduced_this_backward
 
-    def reduce_grads(self, sync: bool) -> PendingReduce | None:
+    def reduce_grads(self, sync: bool, scaling: GradScaling) -> PendingReduce | None:
         """Start reducing the accumulated gradients (unless ``sync`` is off)."""
         self._grads_seen.clear()
         if self.grad_buffer is None or not sync:
@@ -268,9 +270,9 @@ class ParamGroup:
         buffer, self.grad_buffer = self.grad_buffer, None
         self._drop_main_grads()
         self.reduced_this_backward = True
+        scaling.apply(buffer, self.dp_size)
         if self.dp_size == 1:
             return PendingReduce(self, Pending(None), buffer)
-        buffer.div_(self.dp_size)  # average, as DistributedDataParallel does
         if self.plan.grads:
             output = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=buffer.device)
             return PendingReduce(self, reduce_scatter(output, buffer, self.process_group), output)

@@ -55,7 +55,7 @@ class RootState:
         for unit in self.units:
             for group in unit.groups:
                 if group.grads_pending:
-                    self.track(group.reduce_grads(unit.requires_gradient_sync))
+                    self.track(group.reduce_grads(unit.reduces_now, unit.grad_scaling))
         self.drain()
         for unit in self.units:
             unit.finish_backward()

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .grad_scaling import GradScaling
+from .microbatch import MicrobatchFlags
 from .param_group import ParamGroup
 from .strategy import ShardingPlan
 
@@ -51,12 +53,17 @@ class _PostBackward(torch.autograd.Function):
 class FSDPUnit:
     """Hooks and state of one sharded module."""
 
-    def __init__(self, module: nn.Module, plan: ShardingPlan, reshard_after_forward: bool) -> None:
+    def __init__(
+        self, module: nn.Module, plan: ShardingPlan, reshard_after_forward: bool, grad_scaling: GradScaling
+    ) -> None:
         self._module = weakref.ref(module)
         self.plan = plan
+        self.grad_scaling = grad_scaling
         self.groups: list[ParamGroup] = []
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
+        self.microbatch: MicrobatchFlags | None = None
+        self._refresh_pending = False
         self.root_state: RootState | None = None
         self.state = TrainingState.IDLE
         self._reshard_when_reduced = False
@@ -72,6 +79,27 @@ class FSDPUnit:
     @property
     def is_root(self) -> bool:
         return self.root_state is not None and self.root_state.root is self
+
+    # -- gradient-accumulation policy -----------------------------------------
+    def enter_microbatch(self, flags: MicrobatchFlags) -> None:
+        self.microbatch = flags
+        self._refresh_pending = flags.is_first
+
+    @property
+    def reduces_now(self) -> bool:
+        """Reduce gradients in this backward (see ``microbatch``)."""
+        if not self.requires_gradient_sync:
+            return False
+        return self.microbatch is None or self.microbatch.is_last or self.plan.grads
+
+    @property
+    def keeps_weights_after_backward(self) -> bool:
+        """Replicated weights stay valid until an optimizer step can change them."""
+        if self.plan.params:
+            return False
+        if not self.requires_gradient_sync:
+            return True
+        return self.microbatch is not None and not self.microbatch.is_last
 
     # -- explicit control ---------------------------------------------------
     def unshard(self) -> None:
@@ -99,6 +127,10 @@ class FSDPUnit:
             group.check_unchanged()
         if self.state is not TrainingState.BACKWARD:
             self.state = TrainingState.FORWARD
+        if self._refresh_pending:
+            # First micro-batch: weights kept from the previous step are stale.
+            self._refresh_pending = False
+            self.reshard()
         self.unshard()
         if not torch.is_grad_enabled():
             return None
@@ -139,7 +171,7 @@ class FSDPUnit:
 
     def on_grads_ready(self, group: ParamGroup) -> None:
         """Every trainable parameter of ``group`` has its gradient: reduce it."""
-        reduce = group.reduce_grads(self.requires_gradient_sync)
+        reduce = group.reduce_grads(self.reduces_now, self.grad_scaling)
         if self.root_state is not None:
             self.root_state.track(reduce)
         elif reduce is not None:
@@ -159,8 +191,7 @@ class FSDPUnit:
 
     def finish_backward(self) -> None:
         """End of backward (called by the root): release weights, reset state."""
-        keep_weights = not self.plan.params and not self.requires_gradient_sync
-        if not keep_weights:
+        if not self.keeps_weights_after_backward:
             # ZeRO-3 releases weights; ZeRO-1/2 weights go stale at the optimizer
             # step and are gathered again by the next forward.
             self.reshard()
