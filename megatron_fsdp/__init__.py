@@ -8,6 +8,7 @@ Public API (see docs/api.md)::
 from .collectives import comm_stats
 from .fully_shard import fully_shard
 from .grad_scaling import GradScaling
+from .init import materialize_meta
 from .microbatch import microbatch
 from .module import FSDPModule
 from .no_shard import fsdp_no_shard
@@ -24,6 +25,7 @@ __all__ = [
     "fsdp_no_shard",
     "full_tensor",
     "fully_shard",
+    "materialize_meta",
     "microbatch",
 ]
 __version__ = "0.1.0"

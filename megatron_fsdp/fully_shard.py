@@ -80,11 +80,6 @@ def _validate_params(module: nn.Module, refs: list[ParamRef]) -> None:
         raise ValueError(
             f"fully_shard({name}): parameters are on mixed devices ({detail}); move the module to one device first"
         )
-    if any(d.type == "meta" for d in devices):
-        raise ValueError(
-            f"fully_shard({name}): parameters {[r.fqn for r in refs]} are on the meta device; materialise "
-            "them first (module.to_empty(device=...) then reset_parameters())"
-        )
 
 
 def fully_shard(

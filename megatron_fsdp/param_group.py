@@ -98,7 +98,10 @@ class ParamGroup:
         self._on_grads_ready = on_grads_ready
 
         self.shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
-        self._fill_shard_from(refs)
+        # Meta-device parameters are filled later by init.materialize_meta.
+        self.needs_init = first.device.type == "meta"
+        if not self.needs_init:
+            self._fill_shard_from(refs)
         for ref in refs:  # lets an enclosing fully_shard spot a parameter shared across units
             ref.param._megatron_fsdp_managed = True
         self.gathers = self.shard_world > 1
@@ -134,7 +137,11 @@ class ParamGroup:
     def _fill_shard_from(self, refs: list[ParamRef]) -> None:
         with torch.no_grad():
             for i, ref in enumerate(refs):
-                self.shard_view(i).copy_(self._local_rows(ref.param.detach(), i))
+                self.fill_param(i, ref.param.detach())
+
+    def fill_param(self, index: int, full: torch.Tensor) -> None:
+        """Copy this rank's rows of the full value of parameter ``index`` into the shard."""
+        self.shard_view(index).copy_(self._local_rows(full, index))
 
     def _placement(self, index: int):
         if not self.gathers:

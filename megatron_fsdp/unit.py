@@ -114,11 +114,13 @@ class FSDPUnit:
 
     # -- forward ------------------------------------------------------------
     def _lazy_init_root(self) -> None:
+        from .init import materialize_meta
         from .module import FSDPModule
         from .state import RootState
 
         units = [m.fsdp_unit for m in self.module.modules() if isinstance(m, FSDPModule)]
         RootState(self, units)
+        materialize_meta(self.module)  # no-op unless built on the meta device
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.root_state is None:

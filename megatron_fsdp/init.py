@@ -1,0 +1,103 @@
+"""Meta-device materialisation: build big models without ever holding them whole.
+
+A model built under ``torch.device("meta")`` can be passed to ``fully_shard``
+directly: its shards are allocated (uninitialised) on the mesh device. Then
+``materialize_meta`` (run automatically before the root's first forward)
+initialises it one module at a time:
+
+1. modules are visited in pre-order, the order ordinary eager construction
+   runs their ``reset_parameters()``, so the random stream is consumed exactly
+   as eager initialisation would: with the same seed, meta-init gives
+   bitwise the same weights as eager init (on the same device);
+2. the module's own parameters get temporary full tensors on the device and
+   are initialised by ``init_fn(module)`` or ``module.reset_parameters()``;
+3. each full tensor is broadcast from data-parallel rank 0, so every rank's
+   shard is a slice of one and the same initialisation whatever the ranks'
+   random states;
+4. this rank's rows are copied into its shard and the full tensors dropped.
+
+Peak memory is the sharded model plus one module's full parameters. A tied
+parameter keeps the value its first owner gave it (eager tying happens after
+both modules were initialised), while the second owner's initialisation
+still consumes the random stream as in eager mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .collectives import broadcast
+from .param_group import ParamGroup
+
+
+def _pending_groups(root: nn.Module) -> list[ParamGroup]:
+    from .module import FSDPModule
+
+    groups = []
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            groups.extend(g for g in module.fsdp_unit.groups if g.needs_init)
+    return groups
+
+
+def has_meta_params(root: nn.Module) -> bool:
+    return bool(_pending_groups(root))
+
+
+def materialize_meta(root: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> None:
+    """Initialise every meta-device parameter sharded under ``root`` (see module docstring)."""
+    groups = _pending_groups(root)
+    if not groups:
+        return
+    owner: dict[tuple[int, str], tuple[ParamGroup, int]] = {}
+    for group in groups:
+        for index, ref in enumerate(group.refs):
+            for module, name in ref.uses:
+                owner[(id(module), name)] = (group, index)
+    done: set[tuple[int, int]] = set()  # (group, index) of tied parameters already initialised
+    uninitialised = {(id(g), i): g.refs[i].fqn for g in groups for i in range(len(g.refs))}
+    for module in root.modules():
+        own = [(name, *owner[(id(module), name)]) for name in module._parameters if (id(module), name) in owner]
+        if not own:
+            continue
+        if init_fn is None and not hasattr(module, "reset_parameters"):
+            names = [group.refs[i].fqn for _, group, i in own if (id(group), i) in uninitialised]
+            if names:
+                raise ValueError(
+                    f"meta-device parameters {names} belong to {type(module).__name__}, which has no "
+                    "reset_parameters(); pass init_fn to megatron_fsdp.materialize_meta to initialise them"
+                )
+            continue
+        _materialize_module(module, own, init_fn, done)
+        for _, group, index in own:
+            uninitialised.pop((id(group), index), None)
+    if uninitialised:
+        raise ValueError(f"meta-device parameters {sorted(uninitialised.values())} were never initialised")
+    for group in groups:
+        group.needs_init = False
+
+
+def _materialize_module(module, own, init_fn, done) -> None:
+    saved = module._parameters.copy()
+    fulls = []
+    for name, group, index in own:
+        slot = group.layout.slots[index]
+        full = torch.empty(slot.shape, dtype=group.dtype, device=group.shard.device)
+        module._parameters[name] = nn.Parameter(full, requires_grad=group.refs[index].param.requires_grad)
+        fulls.append(full)
+    try:
+        with torch.no_grad():
+            (init_fn or type(module).reset_parameters)(module)
+            for (_, group, index), full in zip(own, fulls):
+                key = (id(group), index)
+                if key in done:
+                    continue  # tied: the first owner's value stands, as in eager tying
+                broadcast(full, 0, group.process_group).wait()
+                group.fill_param(index, full)
+                if len(group.refs[index].uses) > 1:
+                    done.add(key)
+    finally:
+        module._parameters.update(saved)
