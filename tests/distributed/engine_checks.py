@@ -337,8 +337,8 @@ def bad_input_errors() -> None:
     expect_error(ValueError, "already applied", fully_shard, twice)
     scalar = nn.Module()
     scalar.w = nn.Parameter(torch.tensor(1.0))
-    expect_error(ValueError, "0-dim", fully_shard, scalar)
-    fully_shard(scalar, sharding_strategy="no_shard")  # fine when not sharded
+    # a module whose only parameter is 0-dim stays replicated: no unit, no hooks
+    assert not isinstance(fully_shard(scalar), megatron_fsdp.FSDPModule)
 
     tied = Net()
     fully_shard(tied.embed)

@@ -64,6 +64,9 @@ def _worker(rank: int, world_size: int, port: int, module: str, suite: str, out_
 
 def run_suite(module: str, suite: str, world_size: int) -> dict[str, list[str]]:
     """Spawn ``world_size`` ranks running ``suite``; return failures per check name."""
+    # A fixed mmap threshold makes glibc return freed large blocks to the OS at
+    # once, so peak-RSS checks measure tensors, not allocator caching.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
             _worker, args=(world_size, _free_port(), module, suite, out_dir), nprocs=world_size,
