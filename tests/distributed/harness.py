@@ -8,6 +8,7 @@ reports every check separately from the collected results.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import socket
@@ -59,6 +60,10 @@ def _worker(rank: int, world_size: int, port: int, module: str, suite: str, out_
         dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    # Reference cycles inside torch keep finished gloo work alive; freed at
+    # interpreter exit they abort the process ("terminate called without an
+    # active exception"). Collect them while the process group still exists.
+    gc.collect()
     dist.destroy_process_group()
 
 
