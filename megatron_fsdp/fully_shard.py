@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .grad_scaling import resolve_grad_scaling
+from .mesh import resolve_mesh, resolve_outer_strategy
 from .module import FSDPModule, make_fsdp_module
 from .no_shard import is_marked_no_shard
 from .param_group import ParamGroup, ParamRef
@@ -89,12 +90,17 @@ def fully_shard(
     sharding_strategy: str | int | ShardingPlan = "optim_grads_params",
     reshard_after_forward: bool = True,
     gradient_scaling: str | float = "mean",
+    outer_sharding_strategy: str = "no_shard",
+    dp_shard_dim: str | None = None,
+    dp_outer_dim: str | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` and make it an ``FSDPModule``.
 
     Args:
         module: the module to shard; its class becomes ``FSDP<Class>``.
-        mesh: a 1-D ``DeviceMesh`` (default: every rank; CUDA under NCCL, else CPU).
+        mesh: a 1-D ``DeviceMesh`` (default: every rank; CUDA under NCCL, else CPU),
+            a 2-D ``(dp_outer, dp_shard)`` mesh for HSDP, or any named mesh with
+            ``dp_shard_dim``/``dp_outer_dim`` naming its data-parallel dimensions.
         sharding_strategy: ``"no_shard"``, ``"optim"`` (ZeRO-1), ``"optim_grads"``
             (ZeRO-2) or ``"optim_grads_params"`` (ZeRO-3), or a ZeRO stage 0-3.
         reshard_after_forward: ZeRO-3 only: free the gathered weights after
@@ -102,6 +108,11 @@ def fully_shard(
         gradient_scaling: ``"mean"`` (average over data-parallel ranks, like DDP),
             ``"sum"`` (per-token losses normalised by the training loop), or a
             positive number every rank's gradient is multiplied by before summing.
+        outer_sharding_strategy: HSDP only: ``"no_shard"`` replicates across the
+            outer dimension (gradients all-reduced over it after the inner
+            reduce-scatter).
+        dp_shard_dim, dp_outer_dim: names of the mesh dimensions that shard and
+            replicate, for meshes with more (e.g. ``tp``) dimensions.
 
     Returns:
         ``module`` itself, whose ``parameters()`` are now sharded DTensors.
@@ -114,13 +125,15 @@ def fully_shard(
     plan = resolve_strategy(sharding_strategy)
     scaling = resolve_grad_scaling(gradient_scaling)
     mesh = default_mesh() if mesh is None else mesh
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise ValueError(f"mesh must be 1-D (data-parallel ranks); got a {mesh.ndim}-D mesh {mesh}")
+    dp_mesh = resolve_mesh(mesh, dp_shard_dim, dp_outer_dim)
+    if resolve_outer_strategy(outer_sharding_strategy, dp_mesh) == "optim":
+        raise NotImplementedError(
+            "outer_sharding_strategy='optim' (optimizer state sharded across dp_outer too) is not supported "
+            "yet; use 'no_shard' (replicate across dp_outer)"
+        )
     refs = _collect_params(module)
     _validate_params(module, refs)
-    device = mesh_device(mesh)
+    device = mesh_device(dp_mesh.mesh)
     if refs and all(ref.replicated for ref in refs):
         # Everything is fsdp_no_shard: no unit, no hooks; the enclosing unit
         # keeps these parameters in its replicated group.
@@ -131,7 +144,7 @@ def fully_shard(
     for ref in refs:
         by_kind.setdefault((ref.param.dtype, ref.param.requires_grad, ref.replicated), []).append(ref)
     unit.groups = [
-        ParamGroup(group, mesh, STRATEGIES["no_shard"] if replicated else plan, device, unit.on_grads_ready)
+        ParamGroup(group, dp_mesh, STRATEGIES["no_shard"] if replicated else plan, device, unit.on_grads_ready)
         for (_, _, replicated), group in by_kind.items()
     ]
     _move_buffers(module, device)

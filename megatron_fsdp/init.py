@@ -96,6 +96,8 @@ def _materialize_module(module, own, init_fn, done) -> None:
                 if key in done:
                     continue  # tied: the first owner's value stands, as in eager tying
                 broadcast(full, 0, group.process_group).wait()
+                if group.dp.has_outer:  # every replica must hold the same values too
+                    broadcast(full, 0, group.dp.outer_group).wait()
                 group.fill_param(index, full)
                 if len(group.refs[index].uses) > 1:
                     done.add(key)

@@ -25,13 +25,13 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from .buffer import FlatBuffer
 from .collectives import Pending, all_gather, all_reduce, reduce_scatter
 from .grad_scaling import GradScaling
 from .layout import FlatLayout, build_flat_layout
+from .mesh import DataParallelMesh
 from .ragged_shard import RaggedShard
 from .strategy import ShardingPlan
 
@@ -63,6 +63,7 @@ class PendingReduce:
 
     def finish(self) -> None:
         self.work.wait()
+        self.group.reduce_across_outer(self.output)
         self.group.install_grads(self.output)
 
 
@@ -79,18 +80,17 @@ class ParamGroup:
     def __init__(
         self,
         refs: list[ParamRef],
-        mesh: DeviceMesh,
+        dp: DataParallelMesh,
         plan: ShardingPlan,
         device: torch.device,
         on_grads_ready: Callable[[ParamGroup], None],
     ) -> None:
         self.refs = refs
-        self.mesh = mesh
+        self.dp = dp
         self.plan = plan
-        self.process_group: dist.ProcessGroup = mesh.get_group(0)
-        self.dp_size = mesh.size(0)
-        self.shard_world = self.dp_size if plan.optim else 1
-        self.shard_rank = mesh.get_local_rank(0) if plan.optim else 0
+        self.process_group: dist.ProcessGroup = dp.shard_group
+        self.shard_world = dp.shard_size if plan.optim else 1
+        self.shard_rank = dp.shard_rank if plan.optim else 0
         first = refs[0].param
         self.dtype = first.dtype
         self.requires_grad = first.requires_grad
@@ -143,17 +143,16 @@ class ParamGroup:
         """Copy this rank's rows of the full value of parameter ``index`` into the shard."""
         self.shard_view(index).copy_(self._local_rows(full, index))
 
-    def _placement(self, index: int):
-        if not self.gathers:
-            return Replicate()
-        return RaggedShard(0, self.layout.rows_per_rank(index))
+    def _placements(self, index: int) -> list:
+        inner = RaggedShard(0, self.layout.rows_per_rank(index)) if self.gathers else Replicate()
+        return [Replicate(), inner] if self.dp.has_outer else [inner]
 
     def as_dtensor(self, index: int, local: torch.Tensor) -> DTensor:
         """Wrap this rank's piece of parameter ``index`` (or its grad) as a DTensor."""
         slot = self.layout.slots[index]
         full_stride = torch.empty(slot.shape, device="meta").stride()
         return DTensor.from_local(
-            local, self.mesh, [self._placement(index)], run_check=False,
+            local, self.dp.mesh, self._placements(index), run_check=False,
             shape=torch.Size(slot.shape), stride=full_stride,
         )
 
@@ -277,8 +276,8 @@ class ParamGroup:
         buffer, self.grad_buffer = self.grad_buffer, None
         self._drop_main_grads()
         self.reduced_this_backward = True
-        scaling.apply(buffer, self.dp_size)
-        if self.dp_size == 1:
+        scaling.apply(buffer, self.dp.size)
+        if self.dp.shard_size == 1:
             return PendingReduce(self, Pending(None), buffer)
         if self.plan.grads:
             output = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=buffer.device)
@@ -286,6 +285,11 @@ class ParamGroup:
         work = all_reduce(buffer, self.process_group)
         n = self.layout.shard_numel
         return PendingReduce(self, work, buffer.narrow(0, self.shard_rank * n, n))
+
+    def reduce_across_outer(self, reduced_shard: torch.Tensor) -> None:
+        """HSDP: sum this rank's reduced shard over the replicating outer dimension."""
+        if self.dp.has_outer and self.dp.outer_size > 1:
+            all_reduce(reduced_shard, self.dp.outer_group).wait()
 
     def install_grads(self, reduced_shard: torch.Tensor) -> None:
         """Add the reduced shard into the sharded parameters' ``.grad`` (creating them)."""

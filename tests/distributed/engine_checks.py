@@ -328,8 +328,8 @@ def expect_error(exc: type[Exception], fragment: str, fn, *args, **kwargs) -> No
 @check(SUITE, world_sizes=(4,))
 def bad_input_errors() -> None:
     expect_error(ValueError, "valid: 'no_shard'", fully_shard, Block(), sharding_strategy="zero4")
-    mesh2d = init_device_mesh("cpu", (2, 2))
-    expect_error(ValueError, "1-D", fully_shard, Block(), mesh=mesh2d)
+    mesh3d = init_device_mesh("cpu", (2, 2, 1))
+    expect_error(ValueError, "name the data-parallel ones", fully_shard, Block(), mesh=mesh3d)
     mixed = Block()
     mixed.up.to("meta")
     expect_error(ValueError, "mixed devices", fully_shard, mixed)
