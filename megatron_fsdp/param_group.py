@@ -116,6 +116,10 @@ class ParamGroup:
         self._gather: Pending | None = None
         self._install(self.sharded_params)
 
+        for ref in refs:
+            # Keep only the metadata of the originals, so their storage can be freed.
+            ref.param = nn.Parameter(torch.empty_like(ref.param, device="meta"), ref.param.requires_grad)
+
         self.grad_buffer: torch.Tensor | None = None
         self._grad_indices = {i for i, r in enumerate(refs) if r.param.requires_grad}
         self._grads_seen: set[int] = set()

@@ -167,6 +167,18 @@ def zero_copy_views() -> None:
     assert group.unsharded_params[[r.fqn for r in group.refs].index("up.weight")].storage_offset() == slot.offset
 
 
+@check(SUITE, world_sizes=(2,))
+def original_parameters_are_released() -> None:
+    import gc
+    import weakref
+
+    block = Block()
+    original = weakref.ref(block.up.weight)
+    fully_shard(block)
+    gc.collect()
+    assert original() is None, "fully_shard keeps the unsharded original parameter alive"
+
+
 @check(SUITE)
 def nothing_live_after_backward() -> None:
     model = shard_net(Net(), "optim_grads_params")
