@@ -88,3 +88,26 @@ def run_suite(module: str, suite: str, world_size: int) -> dict[str, list[str]]:
             if error:
                 failures[name].append(f"rank {r}:\n{error}")
     return failures
+
+
+def pytest_suite(checks_module, world_sizes: tuple[int, ...] = (2, 4)):
+    """A module-scoped fixture and a parametrized test that run ``checks_module``'s suite.
+
+    Use as ``results, test_<name> = pytest_suite(<checks module>)`` in a test file.
+    """
+    import pytest
+
+    suite = checks_module.SUITE
+
+    @pytest.fixture(scope="module", params=list(world_sizes))
+    def results(request):
+        return request.param, run_suite(checks_module.__name__, suite, request.param)
+
+    @pytest.mark.parametrize("name", sorted({x for n in world_sizes for x in names(suite, n)}))
+    def test(results, name):
+        world_size, failures = results
+        if name not in failures:
+            pytest.skip(f"{name} does not run at world size {world_size}")
+        assert not failures[name], "\n".join(failures[name])
+
+    return results, test

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from megatron_fsdp import RaggedShard, comm_stats, fully_shard
-from tests.distributed.engine_checks import assert_close_params, world
+from tests.distributed.engine_checks import assert_close_params, expect_error, world
 from tests.distributed.harness import check
 
 SUITE = "hsdp"
@@ -74,15 +74,6 @@ def hsdp_bytes() -> None:
     scattered = comm_stats.bytes["reduce_scatter"]
     # the outer all-reduce moves each reduced shard: 1/dp_shard of what was reduce-scattered
     assert comm_stats.bytes["all_reduce"] * 2 == scattered, dict(comm_stats.bytes)
-
-
-def expect_error(exc, fragment, fn, *args, **kwargs) -> None:
-    try:
-        fn(*args, **kwargs)
-    except exc as e:
-        assert fragment in str(e), f"{str(e)!r} lacks {fragment!r}"
-    else:
-        raise AssertionError(f"no {exc.__name__}")
 
 
 @check(SUITE, world_sizes=(4,))

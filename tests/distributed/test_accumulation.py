@@ -1,19 +1,6 @@
 """Gradient accumulation (microbatch, no_sync), gradient scaling and fsdp_no_shard at 2 and 4 ranks."""
 
-import pytest
-
 from tests.distributed import accumulation_checks
-from tests.distributed.harness import names, run_suite
+from tests.distributed.harness import pytest_suite
 
-
-@pytest.fixture(scope="module", params=[2, 4])
-def results(request):
-    return request.param, run_suite(accumulation_checks.__name__, accumulation_checks.SUITE, request.param)
-
-
-@pytest.mark.parametrize("name", sorted({x for n in (2, 4) for x in names(accumulation_checks.SUITE, n)}))
-def test_accumulation(results, name):
-    world_size, failures = results
-    if name not in failures:
-        pytest.skip(f"{name} does not run at world size {world_size}")
-    assert not failures[name], "\n".join(failures[name])
+results, test_accumulation = pytest_suite(accumulation_checks)
