@@ -374,3 +374,44 @@ def unshard_reshard_api() -> None:
     block.set_requires_gradient_sync(False)
     assert not block.fsdp_unit.reshard_after_forward and not block.fsdp_unit.requires_gradient_sync
     assert type(block).__name__ == "FSDPBlock" and isinstance(block, Block)
+
+
+class CheckpointedBlock(Block):
+    """A block whose forward is recomputed in backward (activation checkpointing)."""
+
+    reentrant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(super().forward, x, use_reentrant=self.reentrant)
+
+
+@check(SUITE)
+def activation_checkpointing_neither_regathers_nor_reshards_early() -> None:
+    rank, n = world()
+    x = torch.randn(2 * n, 5, 13, generator=torch.Generator().manual_seed(5)).chunk(n)[rank].requires_grad_()
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[Block() for _ in range(3)])
+    reference = shard_net_blocks(copy.deepcopy(plain))
+    comm_stats.reset()
+    reference(x).square().mean().backward()
+    expected_calls = dict(comm_stats.calls)
+    for reentrant in (False, True):
+        model = copy.deepcopy(plain)
+        for block in model:
+            block.__class__ = CheckpointedBlock
+        CheckpointedBlock.reentrant = reentrant
+        model = shard_net_blocks(model)
+        comm_stats.reset()
+        model(x).square().mean().backward()
+        assert dict(comm_stats.calls) == expected_calls, (reentrant, dict(comm_stats.calls), expected_calls)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), rtol=1e-6, atol=1e-7,
+                                       msg=f"reentrant={reentrant} {name}")
+
+
+def shard_net_blocks(model: nn.Sequential) -> nn.Sequential:
+    for block in model:
+        fully_shard(block)
+    return fully_shard(model)
