@@ -10,6 +10,7 @@ from .fully_shard import fully_shard
 from .grad_scaling import GradScaling
 from .init import materialize_meta
 from .microbatch import microbatch
+from .mixed_precision import MixedPrecisionPolicy
 from .module import FSDPModule
 from .no_shard import fsdp_no_shard
 from .ragged_shard import RaggedShard, full_tensor
@@ -18,6 +19,7 @@ from .strategy import STRATEGIES, ShardingPlan
 __all__ = [
     "FSDPModule",
     "GradScaling",
+    "MixedPrecisionPolicy",
     "RaggedShard",
     "STRATEGIES",
     "ShardingPlan",

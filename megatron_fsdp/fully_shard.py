@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .grad_scaling import resolve_grad_scaling
 from .mesh import resolve_mesh, resolve_outer_strategy
+from .mixed_precision import MixedPrecisionPolicy
 from .module import FSDPModule, make_fsdp_module
 from .no_shard import is_marked_no_shard
 from .param_group import ParamGroup, ParamRef
@@ -93,6 +94,7 @@ def fully_shard(
     outer_sharding_strategy: str = "no_shard",
     dp_shard_dim: str | None = None,
     dp_outer_dim: str | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` and make it an ``FSDPModule``.
 
@@ -113,6 +115,8 @@ def fully_shard(
             reduce-scatter).
         dp_shard_dim, dp_outer_dim: names of the mesh dimensions that shard and
             replicate, for meshes with more (e.g. ``tp``) dimensions.
+        mp_policy: a ``MixedPrecisionPolicy`` (compute, main-weight, gradient and
+            communication dtypes); default: every parameter keeps its dtype.
 
     Returns:
         ``module`` itself, whose ``parameters()`` are now sharded DTensors.
@@ -139,12 +143,16 @@ def fully_shard(
         # keeps these parameters in its replicated group.
         return module
 
-    unit = FSDPUnit(module, plan, reshard_after_forward, scaling)
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a megatron_fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    unit = FSDPUnit(module, plan, reshard_after_forward, scaling, mp_policy)
     by_kind: dict[tuple[torch.dtype, bool, bool], list[ParamRef]] = {}
     for ref in refs:
         by_kind.setdefault((ref.param.dtype, ref.param.requires_grad, ref.replicated), []).append(ref)
     unit.groups = [
-        ParamGroup(group, dp_mesh, STRATEGIES["no_shard"] if replicated else plan, device, unit.on_grads_ready)
+        ParamGroup(
+            group, dp_mesh, STRATEGIES["no_shard"] if replicated else plan, device, unit.on_grads_ready, mp_policy
+        )
         for (_, _, replicated), group in by_kind.items()
     ]
     _move_buffers(module, device)

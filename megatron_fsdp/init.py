@@ -78,6 +78,7 @@ def materialize_meta(root: nn.Module, init_fn: Callable[[nn.Module], None] | Non
         raise ValueError(f"meta-device parameters {sorted(uninitialised.values())} were never initialised")
     for group in groups:
         group.needs_init = False
+        group.mark_compute_stale()
 
 
 def _materialize_module(module, own, init_fn, done) -> None:

@@ -44,7 +44,7 @@ class FSDPModule:
         Also the way to make the next forward re-gather after the sharded
         parameters were changed outside an optimizer step (e.g. a load).
         """
-        self.fsdp_unit.reshard()
+        self.fsdp_unit.mark_weights_stale()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Reduce gradients in backward (True) or accumulate them locally (False)."""

@@ -32,6 +32,7 @@ from .collectives import Pending, all_gather, all_reduce, reduce_scatter
 from .grad_scaling import GradScaling
 from .layout import FlatLayout, build_flat_layout
 from .mesh import DataParallelMesh
+from .mixed_precision import MixedPrecisionPolicy
 from .ragged_shard import RaggedShard
 from .strategy import ShardingPlan
 
@@ -84,6 +85,7 @@ class ParamGroup:
         plan: ShardingPlan,
         device: torch.device,
         on_grads_ready: Callable[[ParamGroup], None],
+        policy: MixedPrecisionPolicy | None = None,
     ) -> None:
         self.refs = refs
         self.dp = dp
@@ -92,7 +94,8 @@ class ParamGroup:
         self.shard_world = dp.shard_size if plan.optim else 1
         self.shard_rank = dp.shard_rank if plan.optim else 0
         first = refs[0].param
-        self.dtype = first.dtype
+        policy = policy or MixedPrecisionPolicy(main_params_dtype=None)
+        self.compute_dtype, self.dtype, self.grad_dtype, self.comm_dtype = policy.dtypes_for(first.dtype)
         self.requires_grad = first.requires_grad
         self.layout: FlatLayout = build_flat_layout([tuple(r.param.shape) for r in refs], self.shard_world)
         self._on_grads_ready = on_grads_ready
@@ -104,9 +107,16 @@ class ParamGroup:
             self._fill_shard_from(refs)
         for ref in refs:  # lets an enclosing fully_shard spot a parameter shared across units
             ref.param._megatron_fsdp_managed = True
+        # Compute weights: the main shard itself, or a lower-precision copy of it
+        # refreshed once per optimizer step (what the all-gather moves).
+        self.compute_shard = (
+            self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
+        )
+        self.compute_stale = self.needs_init and self.compute_shard is not self.shard
+        self.refreshes = 0  # main -> compute copies, for tests and accounting
         self.gathers = self.shard_world > 1
         self.unsharded = (
-            FlatBuffer(self.layout.total_numel, self.dtype, device, allocated=True) if self.gathers else None
+            FlatBuffer(self.layout.total_numel, self.compute_dtype, device, allocated=True) if self.gathers else None
         )
         self.sharded_params = [self._make_sharded_param(i) for i in range(len(refs))]
         self.unsharded_params = [self._make_unsharded_param(i) for i in range(len(refs))]
@@ -171,7 +181,7 @@ class ParamGroup:
 
     def _make_unsharded_param(self, index: int) -> nn.Parameter:
         slot = self.layout.slots[index]
-        source = self.unsharded.data if self.gathers else self.shard
+        source = self.unsharded.data if self.gathers else self.compute_shard
         param = nn.Parameter(source.narrow(0, slot.offset, slot.numel).view(slot.shape),
                              requires_grad=self.refs[index].param.requires_grad)
         copy_param_attributes(self.refs[index].param, param)
@@ -197,16 +207,32 @@ class ParamGroup:
                     f"{tuple(ref.param.shape)}, now {tuple(sharded.shape)}"
                 )
 
+    def mark_compute_stale(self) -> None:
+        """The main weights may change (an optimizer step may follow): refresh before next use."""
+        if self.compute_shard is not self.shard:
+            self.compute_stale = True
+
+    def refresh_compute(self) -> None:
+        """Copy (cast) the main shard into the compute shard, if it is stale."""
+        if self.compute_stale:
+            with torch.no_grad():
+                self.compute_shard.copy_(self.shard)
+            self.compute_stale = False
+            self.refreshes += 1
+
     def start_unshard(self) -> None:
         """Issue the all-gather of the weights (no-op if unsharded or in flight)."""
-        if self.state is GroupState.UNSHARDED or self._gather is not None or not self.gathers:
+        if self.state is GroupState.UNSHARDED or self._gather is not None:
+            return
+        self.refresh_compute()
+        if not self.gathers:
             return
         data = self.unsharded.allocate()
         # Refilling the weights in place for backward bumps the version counter
         # that autograd saved in forward; the values are the same ones forward
         # used, so the counter is restored once the gather lands.
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(data)
-        self._gather = all_gather(data, self.shard, self.process_group)
+        self._gather = all_gather(data, self.compute_shard, self.process_group)
 
     def finish_unshard(self) -> None:
         """Wait for the all-gather and point the modules at the unsharded views."""
@@ -245,7 +271,7 @@ class ParamGroup:
         if not self._grad_indices:
             return
         if self.grad_buffer is None:
-            self.grad_buffer = torch.zeros(self.layout.total_numel, dtype=self.dtype, device=self.shard.device)
+            self.grad_buffer = torch.zeros(self.layout.total_numel, dtype=self.grad_dtype, device=self.shard.device)
         for i in self._grad_indices:
             slot = self.layout.slots[i]
             self.unsharded_params[i].main_grad = self.grad_buffer.narrow(0, slot.offset, slot.numel).view(slot.shape)
@@ -281,10 +307,12 @@ class ParamGroup:
         self._drop_main_grads()
         self.reduced_this_backward = True
         scaling.apply(buffer, self.dp.size)
+        if self.comm_dtype != buffer.dtype:
+            buffer = buffer.to(self.comm_dtype)
         if self.dp.shard_size == 1:
             return PendingReduce(self, Pending(None), buffer)
         if self.plan.grads:
-            output = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=buffer.device)
+            output = torch.empty(self.layout.shard_numel, dtype=buffer.dtype, device=buffer.device)
             return PendingReduce(self, reduce_scatter(output, buffer, self.process_group), output)
         work = all_reduce(buffer, self.process_group)
         n = self.layout.shard_numel
@@ -299,7 +327,7 @@ class ParamGroup:
         """Add the reduced shard into the sharded parameters' ``.grad`` (creating them)."""
         for i in sorted(self._grad_indices):
             param = self.sharded_params[i]
-            local = self.shard_view(i, reduced_shard)
+            local = self.shard_view(i, reduced_shard).to(self.dtype)
             if param.grad is None:
                 param.grad = self.as_dtensor(i, local)
             else:

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .grad_scaling import GradScaling
 from .microbatch import MicrobatchFlags
+from .mixed_precision import MixedPrecisionPolicy
 from .param_group import ParamGroup
 from .strategy import ShardingPlan
 
@@ -54,10 +55,16 @@ class FSDPUnit:
     """Hooks and state of one sharded module."""
 
     def __init__(
-        self, module: nn.Module, plan: ShardingPlan, reshard_after_forward: bool, grad_scaling: GradScaling
+        self,
+        module: nn.Module,
+        plan: ShardingPlan,
+        reshard_after_forward: bool,
+        grad_scaling: GradScaling,
+        mp_policy: MixedPrecisionPolicy | None = None,
     ) -> None:
         self._module = weakref.ref(module)
         self.plan = plan
+        self.mp_policy = mp_policy
         self.grad_scaling = grad_scaling
         self.groups: list[ParamGroup] = []
         self.reshard_after_forward = reshard_after_forward
@@ -93,13 +100,11 @@ class FSDPUnit:
         return self.microbatch is None or self.microbatch.is_last or self.plan.grads
 
     @property
-    def keeps_weights_after_backward(self) -> bool:
-        """Replicated weights stay valid until an optimizer step can change them."""
-        if self.plan.params:
-            return False
+    def optimizer_step_may_follow(self) -> bool:
+        """After this backward the main weights may change (not inside accumulation)."""
         if not self.requires_gradient_sync:
-            return True
-        return self.microbatch is not None and not self.microbatch.is_last
+            return False
+        return self.microbatch is None or self.microbatch.is_last
 
     # -- explicit control ---------------------------------------------------
     def unshard(self) -> None:
@@ -132,11 +137,27 @@ class FSDPUnit:
         if self._refresh_pending:
             # First micro-batch: weights kept from the previous step are stale.
             self._refresh_pending = False
-            self.reshard()
+            self.mark_weights_stale()
         self.unshard()
-        if not torch.is_grad_enabled():
-            return None
-        return self._register_post_backward(args, kwargs)
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if torch.is_grad_enabled():
+            args, kwargs = self._register_post_backward(args, kwargs) or (args, kwargs)
+        return args, kwargs
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        policy = self.mp_policy
+        if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
+            return args, kwargs
+        dtype = policy.param_dtype
+        flat, spec = tree_flatten((args, kwargs))
+        flat = [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in flat]
+        return tree_unflatten(flat, spec)
+
+    def mark_weights_stale(self) -> None:
+        """Main weights may have changed: refresh and re-gather before the next use."""
+        self.reshard()
+        for group in self.groups:
+            group.mark_compute_stale()
 
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         flat, spec = tree_flatten((args, kwargs))
@@ -193,10 +214,12 @@ class FSDPUnit:
 
     def finish_backward(self) -> None:
         """End of backward (called by the root): release weights, reset state."""
-        if not self.keeps_weights_after_backward:
-            # ZeRO-3 releases weights; ZeRO-1/2 weights go stale at the optimizer
-            # step and are gathered again by the next forward.
-            self.reshard()
+        if self.optimizer_step_may_follow:
+            # Gathered weights and low-precision compute copies go stale at the
+            # optimizer step: release them; the next forward refreshes them.
+            self.mark_weights_stale()
+        elif self.plan.params:
+            self.reshard()  # ZeRO-3 releases weights between uses even mid-accumulation
         for group in self.groups:
             group.reduced_this_backward = False
         self._reshard_when_reduced = False
