@@ -56,6 +56,13 @@ class FSDPModule:
         for unit in self._fsdp_units(recurse):
             unit.reshard_after_forward = bool(reshard_after_forward)
 
+    def set_prefetch_depth(self, depth: int, *, recurse: bool = True) -> None:
+        """How many units ahead (in the recorded forward order) to all-gather early; 0 disables."""
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+            raise ValueError(f"prefetch depth must be a non-negative int, got {depth!r}")
+        for unit in self._fsdp_units(recurse):
+            unit.prefetch_depth = depth
+
     def set_gradient_scaling(self, gradient_scaling: str | float, *, recurse: bool = True) -> None:
         """Normalise reduced gradients by ``"mean"``, ``"sum"`` or a positive factor."""
         scaling = resolve_grad_scaling(gradient_scaling)

@@ -28,8 +28,32 @@ class RootState:
         self.units = units
         self._in_flight: deque[PendingReduce] = deque()
         self._callback_queued = False
+        # Units in the order their forward first ran, recorded every forward and
+        # used by the next iteration to prefetch (all-gather ahead of use).
+        self.forward_order: list[FSDPUnit] = []
+        self._recording: list[FSDPUnit] = []
         for unit in units:
             unit.root_state = self
+
+    def record_forward(self, unit: FSDPUnit) -> None:
+        if unit is self.root:
+            self._recording = []
+        if unit not in self._recording:
+            self._recording.append(unit)
+
+    def end_forward(self) -> None:
+        """The root's forward finished: its recorded order drives the next prefetches."""
+        self.forward_order = self._recording
+
+    def prefetch_after(self, unit: FSDPUnit, direction: int) -> None:
+        """Start the all-gathers of the units that run after ``unit`` (forward: +1, backward: -1)."""
+        if unit not in self.forward_order:
+            return
+        index = self.forward_order.index(unit)
+        for step in range(1, unit.prefetch_depth + 1):
+            other = index + direction * step
+            if 0 <= other < len(self.forward_order):
+                self.forward_order[other].prefetch()
 
     def queue_final_callback(self) -> None:
         """Ask autograd to call ``finish_backward`` when this backward pass ends."""

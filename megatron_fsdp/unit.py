@@ -68,9 +68,9 @@ class FSDPUnit:
         self.grad_scaling = grad_scaling
         self.groups: list[ParamGroup] = []
         self.reshard_after_forward = reshard_after_forward
+        self.prefetch_depth = 1  # units whose all-gather starts while this one computes
         self.requires_gradient_sync = True
         self.microbatch: MicrobatchFlags | None = None
-        self._refresh_pending = False
         self.root_state: RootState | None = None
         self.state = TrainingState.IDLE
         self._reshard_when_reduced = False
@@ -90,7 +90,10 @@ class FSDPUnit:
     # -- gradient-accumulation policy -----------------------------------------
     def enter_microbatch(self, flags: MicrobatchFlags) -> None:
         self.microbatch = flags
-        self._refresh_pending = flags.is_first
+        if flags.is_first:
+            # Weights kept from the previous step are stale; marked now, before
+            # any prefetch of this step can gather them.
+            self.mark_weights_stale()
 
     @property
     def reduces_now(self) -> bool:
@@ -107,6 +110,12 @@ class FSDPUnit:
         return self.microbatch is None or self.microbatch.is_last
 
     # -- explicit control ---------------------------------------------------
+    def prefetch(self) -> None:
+        """Start this unit's all-gathers early, unless it is busy or already gathered."""
+        if self.state is TrainingState.IDLE:
+            for group in self.groups:
+                group.start_unshard()
+
     def unshard(self) -> None:
         for group in self.groups:
             group.start_unshard()
@@ -134,11 +143,10 @@ class FSDPUnit:
             group.check_unchanged()
         if self.state is not TrainingState.BACKWARD:
             self.state = TrainingState.FORWARD
-        if self._refresh_pending:
-            # First micro-batch: weights kept from the previous step are stale.
-            self._refresh_pending = False
-            self.mark_weights_stale()
+        self.root_state.record_forward(self)
         self.unshard()
+        if self.state is not TrainingState.BACKWARD:
+            self.root_state.prefetch_after(self, +1)
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
             args, kwargs = self._register_post_backward(args, kwargs) or (args, kwargs)
@@ -177,6 +185,8 @@ class FSDPUnit:
         if self.plan.params and self.reshard_after_forward and not self.is_root:
             self.reshard()
         self.state = TrainingState.IDLE
+        if self.is_root:
+            self.root_state.end_forward()
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
@@ -189,6 +199,8 @@ class FSDPUnit:
             self.root_state.queue_final_callback()
         self.state = TrainingState.BACKWARD
         self.unshard()
+        if self.root_state is not None:
+            self.root_state.prefetch_after(self, -1)
         for group in self.groups:
             group.prepare_grad_buffer()
 

@@ -415,3 +415,39 @@ def shard_net_blocks(model: nn.Sequential) -> nn.Sequential:
     for block in model:
         fully_shard(block)
     return fully_shard(model)
+
+
+@check(SUITE, world_sizes=(2,))
+def prefetch_gathers_the_next_unit_ahead_of_use() -> None:
+    model = shard_net(Net(), "optim_grads_params")
+    batch = local_batch(0, *world())
+    loss_fn(model, batch).backward()  # the first iteration records the forward order
+    group_of_next = model.blocks[1].fsdp_unit.groups[0]
+    seen = {}
+
+    def in_flight_or_gathered(tag):
+        def hook(*_):
+            seen[tag] = group_of_next._gather is not None or group_of_next.state.value == "unsharded"
+        return hook
+
+    handles = [model.blocks[0].up.register_forward_pre_hook(in_flight_or_gathered("forward")),
+               model.blocks[2].up.register_full_backward_pre_hook(in_flight_or_gathered("backward"))]
+    comm_stats.reset()
+    loss_fn(model, batch).backward()
+    for h in handles:
+        h.remove()
+    # while blocks[0] computes its forward, blocks[1]'s all-gather is already issued;
+    # while blocks[2] computes its backward, blocks[1]'s backward all-gather is too
+    assert seen == {"forward": True, "backward": True}, seen
+    model.set_prefetch_depth(0)
+    loss_fn(model, batch).backward()
+    model.blocks[0].up.register_forward_pre_hook(in_flight_or_gathered("off"))
+    loss_fn(model, batch).backward()
+    assert seen["off"] is False, "set_prefetch_depth(0) must disable prefetching"
+    expect_error(ValueError, "non-negative int", model.set_prefetch_depth, -1)
+    model.set_prefetch_depth(1)
+    comm_stats.reset()
+    loss_fn(model, batch).backward()
+    gather, _ = expected_bytes(model)
+    extra = sum(g.layout.total_numel * 4 for g in model.blocks[0].fsdp_unit.groups)
+    assert comm_stats.bytes["all_gather"] == gather + extra, "prefetching must not add all-gathers"
