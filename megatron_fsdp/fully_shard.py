@@ -65,6 +65,7 @@ def _collect_params(module: nn.Module) -> list[ParamRef]:
                 )
             ref = refs.setdefault(id(param), ParamRef(fqn, param))
             ref.uses.append((mod, name))
+            ref.fqns.append(fqn)
             # 0-dim parameters have no rows to shard: they stay replicated.
             ref.replicated |= is_marked_no_shard(mod, param) or param.dim() == 0
         children = [(f"{prefix}{n}.", c) for n, c in mod._modules.items() if c is not None]
@@ -156,6 +157,7 @@ def fully_shard(
         for (_, _, replicated), group in by_kind.items()
     ]
     _move_buffers(module, device)
+    module.register_load_state_dict_pre_hook(unit.prepare_state_dict_for_load)
     return make_fsdp_module(module, unit)
 
 

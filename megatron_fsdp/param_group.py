@@ -33,7 +33,7 @@ from .grad_scaling import GradScaling
 from .layout import FlatLayout, build_flat_layout
 from .mesh import DataParallelMesh
 from .mixed_precision import MixedPrecisionPolicy
-from .ragged_shard import RaggedShard
+from .ragged_shard import RaggedShard, full_tensor
 from .strategy import ShardingPlan
 
 _SKIPPED_ATTRS = {"_is_param", "main_grad", "grad_added_to_main_grad"}
@@ -46,6 +46,7 @@ class ParamRef:
     fqn: str
     param: nn.Parameter
     uses: list[tuple[nn.Module, str]] = field(default_factory=list)
+    fqns: list[str] = field(default_factory=list)  # one per use, relative to the unit's module
     replicated: bool = False  # marked fsdp_no_shard (or 0-dim): never sharded
 
 
@@ -157,6 +158,28 @@ class ParamGroup:
         """Copy this rank's rows of the full value of parameter ``index`` into the shard."""
         self.shard_view(index).copy_(self._local_rows(full, index))
 
+    def loadable(self, index: int, value: torch.Tensor, key: str) -> torch.Tensor:
+        """``value`` (full tensor, or DTensor in any layout) as this parameter's sharded DTensor.
+
+        ``load_state_dict`` copies DTensors shard by shard; a DTensor laid out by
+        stock DTensor code (``torch.chunk`` boundaries, e.g. from
+        ``set_model_state_dict`` with a full state dict) would be copied into our
+        ragged shards row-misaligned, so it is gathered and re-cut here.
+        """
+        slot = self.layout.slots[index]
+        if tuple(value.shape) != slot.shape:
+            raise RuntimeError(
+                f"loading '{key}': the checkpoint holds shape {tuple(value.shape)}, the parameter has {slot.shape}"
+            )
+        if isinstance(value, DTensor):
+            if list(value.placements) == self._placements(index) and all(
+                type(a) is type(b) for a, b in zip(value.placements, self._placements(index))
+            ):
+                return value  # already in our layout (a sharded state dict of this model)
+            value = full_tensor(value)
+        local = self._local_rows(value.detach().to(device=self.shard.device, dtype=self.dtype), index)
+        return self.as_dtensor(index, local.contiguous())
+
     def _placements(self, index: int) -> list:
         inner = RaggedShard(0, self.layout.rows_per_rank(index)) if self.gathers else Replicate()
         return [Replicate(), inner] if self.dp.has_outer else [inner]
@@ -251,6 +274,7 @@ class ParamGroup:
         if self._gather is not None:  # a prefetch nobody consumed
             self._gather.wait()
             self._gather = None
+            self._version_guard.__exit__(None, None, None)
         if self.state is GroupState.SHARDED:
             if self.unsharded is not None:
                 self.unsharded.free()

@@ -32,8 +32,18 @@ class RootState:
         # used by the next iteration to prefetch (all-gather ahead of use).
         self.forward_order: list[FSDPUnit] = []
         self._recording: list[FSDPUnit] = []
+        # Set by the root's forward, cleared by the end of backward: still set at the
+        # next forward means an optimizer step may have run without a backward.
+        self._forward_without_backward = False
         for unit in units:
             unit.root_state = self
+
+    def begin_forward(self) -> None:
+        """The root's forward starts: weights kept by a forward no backward followed are stale."""
+        if self._forward_without_backward:
+            for unit in self.units:
+                unit.mark_weights_stale()
+        self._forward_without_backward = False
 
     def record_forward(self, unit: FSDPUnit) -> None:
         if unit is self.root:
@@ -44,6 +54,7 @@ class RootState:
     def end_forward(self) -> None:
         """The root's forward finished: its recorded order drives the next prefetches."""
         self.forward_order = self._recording
+        self._forward_without_backward = True
 
     def prefetch_after(self, unit: FSDPUnit, direction: int) -> None:
         """Start the all-gathers of the units that run after ``unit`` (forward: +1, backward: -1)."""
@@ -76,6 +87,7 @@ class RootState:
     def finish_backward(self) -> None:
         """Reduce leftovers (hooks that never fired), wait, reshard, reset."""
         self._callback_queued = False
+        self._forward_without_backward = False
         for unit in self.units:
             for group in unit.groups:
                 if group.grads_pending:

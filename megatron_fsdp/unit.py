@@ -126,6 +126,16 @@ class FSDPUnit:
         for group in self.groups:
             group.reshard()
 
+    def prepare_state_dict_for_load(self, module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+        """``load_state_dict`` pre-hook: re-cut incoming values into our shards."""
+        for group in self.groups:
+            for index, ref in enumerate(group.refs):
+                for fqn in ref.fqns:
+                    key = prefix + fqn
+                    if key in state_dict:
+                        state_dict[key] = group.loadable(index, state_dict[key], key)
+        self.mark_weights_stale()  # the main weights are about to change
+
     # -- forward ------------------------------------------------------------
     def _lazy_init_root(self) -> None:
         from .init import materialize_meta
@@ -143,6 +153,8 @@ class FSDPUnit:
             group.check_unchanged()
         if self.state is not TrainingState.BACKWARD:
             self.state = TrainingState.FORWARD
+        if self.is_root and self.state is not TrainingState.BACKWARD:
+            self.root_state.begin_forward()
         self.root_state.record_forward(self)
         self.unshard()
         if self.state is not TrainingState.BACKWARD:

@@ -451,3 +451,58 @@ def prefetch_gathers_the_next_unit_ahead_of_use() -> None:
     gather, _ = expected_bytes(model)
     extra = sum(g.layout.total_numel * 4 for g in model.blocks[0].fsdp_unit.groups)
     assert comm_stats.bytes["all_gather"] == gather + extra, "prefetching must not add all-gathers"
+
+
+@check(SUITE, world_sizes=(2,))
+def step_after_a_forward_without_backward_is_seen() -> None:
+    """Weights a no-grad forward left gathered must not survive an optimizer step."""
+    rank, n = world()
+    for strategy in ("optim_grads_params", "optim_grads", "optim", "no_shard"):
+        torch.manual_seed(0)
+        base = Net()
+        plain, ours = copy.deepcopy(base), shard_net(copy.deepcopy(base), strategy)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ours, plain)]
+        batch = local_batch(0, 0, 1)  # the same batch on every rank: DDP-free reference
+        for model in (ours, plain):
+            loss_fn(model, batch).backward()
+            with torch.no_grad():
+                model(batch)  # e.g. an evaluation between backward and step
+        for opt in opts:
+            opt.step()
+        with torch.no_grad():
+            torch.testing.assert_close(ours(batch), plain(batch), rtol=1e-5, atol=1e-5, msg=strategy)
+
+
+@check(SUITE)
+def load_full_and_sharded_state_dicts() -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    rank, n = world()
+    torch.manual_seed(0)
+    source = Net()
+    expected = {k: v.clone() for k, v in source.state_dict().items()}
+    batch = local_batch(0, rank, n)
+    for strategy in ("optim_grads_params", "no_shard"):
+        for how in ("set_model_state_dict", "broadcast_from_rank0", "load_state_dict", "sharded"):
+            torch.manual_seed(1)  # different initial weights
+            model = shard_net(Net(), strategy)
+            loss_fn(model, batch)  # leaves the root gathered: the load must make it stale
+            if how == "set_model_state_dict":
+                # (set_model_state_dict replaces the values of the dict it is given)
+                set_model_state_dict(model, dict(expected), options=StateDictOptions(full_state_dict=True))
+            elif how == "broadcast_from_rank0":
+                full = dict(expected) if rank == 0 else {}
+                set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                                          broadcast_from_rank0=True))
+            elif how == "load_state_dict":
+                model.load_state_dict(expected)
+            else:
+                donor = shard_net(copy.deepcopy(source), strategy)
+                model.load_state_dict(donor.state_dict())
+            for name, p in model.named_parameters():
+                assert torch.equal(p.full_tensor(), expected[name]), (strategy, how, name)
+            with torch.no_grad():
+                torch.testing.assert_close(model(batch), source(batch), msg=f"{strategy} {how}")
+    model = shard_net(Net(), "optim_grads_params")
+    wrong = dict(expected, **{"blocks.0.up.weight": torch.zeros(3, 3)})
+    expect_error(RuntimeError, "loading 'blocks.0.up.weight'", model.load_state_dict, wrong)
