@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .grad_scaling import resolve_grad_scaling
+from .init import META_BUFFERS
 from .mesh import resolve_mesh, resolve_outer_strategy
 from .mixed_precision import MixedPrecisionPolicy
 from .module import FSDPModule, make_fsdp_module
@@ -164,5 +165,11 @@ def fully_shard(
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
     for mod in module.modules():
         for name, buf in mod._buffers.items():
-            if buf is not None and buf.device != device:
+            if buf is None or buf.device == device:
+                continue
+            if buf.is_meta:
+                # Storage now, values from materialize_meta (the module's reset_parameters).
+                mod._buffers[name] = torch.empty_like(buf, device=device)
+                mod.__dict__.setdefault(META_BUFFERS, []).append(name)
+            else:
                 mod._buffers[name] = buf.to(device)

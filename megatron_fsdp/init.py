@@ -43,15 +43,47 @@ def _pending_groups(root: nn.Module) -> list[ParamGroup]:
     return groups
 
 
+META_BUFFERS = "_megatron_fsdp_meta_buffers"  # module attribute: buffer names awaiting init
+
+
 def has_meta_params(root: nn.Module) -> bool:
-    return bool(_pending_groups(root))
+    return bool(_pending_groups(root)) or any(META_BUFFERS in m.__dict__ for m in root.modules())
+
+
+def _broadcast_from_dp_rank0(tensor: torch.Tensor, group: ParamGroup) -> None:
+    """Make every data-parallel rank hold rank 0's values: inside dp_shard, then across dp_outer."""
+    broadcast(tensor, 0, group.process_group).wait()
+    if group.dp.has_outer:
+        broadcast(tensor, 0, group.dp.outer_group).wait()
+
+
+def _init_meta_buffers(module: nn.Module, init_fn, anchor: ParamGroup) -> None:
+    """Initialise (if not done with its parameters) and broadcast a module's meta-built buffers."""
+    names = module.__dict__.pop(META_BUFFERS, None)
+    if names is None:
+        return
+    if init_fn is not None:
+        init_fn(module)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    else:
+        raise ValueError(
+            f"meta-device buffers {names} of {type(module).__name__} have no initialiser (no "
+            "reset_parameters()); pass init_fn to megatron_fsdp.materialize_meta"
+        )
+    for name in names:
+        _broadcast_from_dp_rank0(module._buffers[name], anchor)
 
 
 def materialize_meta(root: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> None:
     """Initialise every meta-device parameter sharded under ``root`` (see module docstring)."""
     groups = _pending_groups(root)
-    if not groups:
+    if not has_meta_params(root):
         return
+    from .module import FSDPModule
+
+    # Any group of the model knows the data-parallel groups buffers are broadcast over.
+    anchor = next(g for m in root.modules() if isinstance(m, FSDPModule) for g in m.fsdp_unit.groups)
     owner: dict[tuple[int, str], tuple[ParamGroup, int]] = {}
     for group in groups:
         for index, ref in enumerate(group.refs):
@@ -62,6 +94,8 @@ def materialize_meta(root: nn.Module, init_fn: Callable[[nn.Module], None] | Non
     for module in root.modules():
         own = [(name, *owner[(id(module), name)]) for name in module._parameters if (id(module), name) in owner]
         if not own:
+            with torch.no_grad():
+                _init_meta_buffers(module, init_fn, anchor)
             continue
         if init_fn is None and not hasattr(module, "reset_parameters"):
             names = [group.refs[i].fqn for _, group, i in own if (id(group), i) in uninitialised]
@@ -72,6 +106,8 @@ def materialize_meta(root: nn.Module, init_fn: Callable[[nn.Module], None] | Non
                 )
             continue
         _materialize_module(module, own, init_fn, done)
+        for name in module.__dict__.pop(META_BUFFERS, []):  # initialised with the parameters
+            _broadcast_from_dp_rank0(module._buffers[name], own[0][1])
         for _, group, index in own:
             uninitialised.pop((id(group), index), None)
     if uninitialised:
@@ -96,9 +132,7 @@ def _materialize_module(module, own, init_fn, done) -> None:
                 key = (id(group), index)
                 if key in done:
                     continue  # tied: the first owner's value stands, as in eager tying
-                broadcast(full, 0, group.process_group).wait()
-                if group.dp.has_outer:  # every replica must hold the same values too
-                    broadcast(full, 0, group.dp.outer_group).wait()
+                _broadcast_from_dp_rank0(full, group)
                 group.fill_param(index, full)
                 if len(group.refs[index].uses) > 1:
                     done.add(key)

@@ -27,6 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard
 
+# torch 2.13 renamed the functional all-gather; 2.11 only has the old name.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
 
 class RaggedShard(Shard):
     """Shard on ``dim`` where mesh rank ``r`` holds ``local_sizes[r]`` consecutive slices."""
@@ -93,9 +96,7 @@ class RaggedShard(Shard):
             pad_shape = list(local_tensor.shape)
             pad_shape[self.dim] = pad
             local_tensor = torch.cat([local_tensor, local_tensor.new_zeros(pad_shape)], self.dim)
-        gathered = funcol.all_gather_tensor(
-            local_tensor.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim)
-        )
+        gathered = _all_gather(local_tensor.contiguous(), self.dim, (mesh, mesh_dim))
         if isinstance(gathered, funcol.AsyncCollectiveTensor):
             gathered = gathered.wait()
         pieces = torch.split(gathered, biggest, dim=self.dim)
@@ -147,7 +148,7 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     for mesh_dim, placement in enumerate(tensor.placements):
         if type(placement) is Shard:
             local = torch.tensor([tensor.to_local().size(placement.dim)], device=tensor.device)
-            sizes = funcol.all_gather_tensor(local, 0, (mesh, mesh_dim))
+            sizes = _all_gather(local, 0, (mesh, mesh_dim))
             if isinstance(sizes, funcol.AsyncCollectiveTensor):
                 sizes = sizes.wait()
             n = mesh.size(mesh_dim)

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 
 from megatron_fsdp import fsdp_no_shard, fully_shard, materialize_meta
-from tests.distributed.engine_checks import world
+from tests.distributed.engine_checks import expect_error, world
 from tests.distributed.harness import check
 
 SUITE = "init"
@@ -127,3 +127,40 @@ def meta_init_never_holds_the_whole_model() -> None:
         print(f"meta-init peak RSS growth {growth / 2**20:.1f} MiB for a {full_bytes / 2**20:.0f} MiB model "
               f"on {dist.get_world_size()} ranks (cap {cap / 2**20:.0f} MiB), pid {os.getpid()}")
     assert growth < cap, (growth, cap)
+
+
+class Scale(nn.Module):
+    """A parameter-free module with a buffer its reset_parameters fills."""
+
+    def __init__(self, dim: int, has_reset: bool = True) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.empty(dim))
+        if has_reset:
+            self.reset_parameters = lambda: nn.init.constant_(self.scale, 0.5)
+            self.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+@check(SUITE, world_sizes=(2,))
+def meta_init_of_buffers() -> None:
+    def build(has_reset: bool = True) -> nn.Sequential:
+        return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), Scale(6, has_reset), nn.Linear(6, 2))
+
+    torch.manual_seed(3)
+    eager = build()
+    with torch.device("meta"):
+        model = build()
+    fully_shard(model[0])
+    fully_shard(model)
+    torch.manual_seed(3)
+    materialize_meta(model)
+    for (name, b), e in zip(model.named_buffers(), eager.buffers()):
+        assert b.device.type == "cpu" and torch.equal(b, e), name
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.equal(p.full_tensor(), q), name
+    with torch.device("meta"):
+        broken = build(has_reset=False)
+    fully_shard(broken)
+    expect_error(ValueError, "meta-device buffers ['scale'] of Scale", materialize_meta, broken)
