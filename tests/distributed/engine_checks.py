@@ -506,3 +506,21 @@ def load_full_and_sharded_state_dicts() -> None:
     model = shard_net(Net(), "optim_grads_params")
     wrong = dict(expected, **{"blocks.0.up.weight": torch.zeros(3, 3)})
     expect_error(RuntimeError, "loading 'blocks.0.up.weight'", model.load_state_dict, wrong)
+
+
+@check(SUITE, world_sizes=(2,))
+def parameter_attributes_are_carried() -> None:
+    """Attributes training loops read (weight-decay groups, TP flags) survive sharding."""
+    block = Block()
+    block.up.weight.sequence_parallel = True
+    block.up.weight.partition_dim = 0
+    block.norm.weight.is_embedding_or_output_parameter = False
+    block.down.bias.my_lr_multiplier = 0.1
+    fully_shard(block)
+    params = dict(block.named_parameters())
+    assert params["up.weight"].sequence_parallel is True and params["up.weight"].partition_dim == 0
+    assert params["norm.weight"].is_embedding_or_output_parameter is False
+    assert params["down.bias"].my_lr_multiplier == 0.1
+    block.unshard()  # the compute-time parameters carry them too
+    assert block.up.weight.sequence_parallel is True and type(block.up.weight) is nn.Parameter
+    block.reshard()
