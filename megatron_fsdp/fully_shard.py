@@ -64,7 +64,7 @@ def _collect_params(module: nn.Module) -> list[ParamRef]:
                     "shared with a module outside that unit); apply fully_shard to a common "
                     "ancestor of every module that uses it instead"
                 )
-            ref = refs.setdefault(id(param), ParamRef(fqn, param))
+            ref = refs.setdefault(id(param), ParamRef(param))
             ref.uses.append((mod, name))
             ref.fqns.append(fqn)
             # 0-dim parameters have no rows to shard: they stay replicated.
@@ -130,6 +130,8 @@ def fully_shard(
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
     plan = resolve_strategy(sharding_strategy)
     scaling = resolve_grad_scaling(gradient_scaling)
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a megatron_fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     mesh = default_mesh() if mesh is None else mesh
     dp_mesh = resolve_mesh(mesh, dp_shard_dim, dp_outer_dim)
     if resolve_outer_strategy(outer_sharding_strategy, dp_mesh) == "optim":
@@ -145,8 +147,6 @@ def fully_shard(
         # keeps these parameters in its replicated group.
         return module
 
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a megatron_fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     unit = FSDPUnit(module, plan, reshard_after_forward, scaling, mp_policy)
     by_kind: dict[tuple[torch.dtype, bool, bool], list[ParamRef]] = {}
     for ref in refs:

@@ -46,10 +46,6 @@ def _pending_groups(root: nn.Module) -> list[ParamGroup]:
 META_BUFFERS = "_megatron_fsdp_meta_buffers"  # module attribute: buffer names awaiting init
 
 
-def has_meta_params(root: nn.Module) -> bool:
-    return bool(_pending_groups(root)) or any(META_BUFFERS in m.__dict__ for m in root.modules())
-
-
 def _broadcast_from_dp_rank0(tensor: torch.Tensor, group: ParamGroup) -> None:
     """Make every data-parallel rank hold rank 0's values: inside dp_shard, then across dp_outer."""
     broadcast(tensor, 0, group.process_group).wait()
@@ -78,7 +74,7 @@ def _init_meta_buffers(module: nn.Module, init_fn, anchor: ParamGroup) -> None:
 def materialize_meta(root: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> None:
     """Initialise every meta-device parameter sharded under ``root`` (see module docstring)."""
     groups = _pending_groups(root)
-    if not has_meta_params(root):
+    if not groups and not any(META_BUFFERS in m.__dict__ for m in root.modules()):
         return
     from .module import FSDPModule
 

@@ -43,11 +43,15 @@ _SKIPPED_ATTRS = {"_is_param", "main_grad", "grad_added_to_main_grad"}
 class ParamRef:
     """An original parameter and every (module, attribute) that registers it."""
 
-    fqn: str
     param: nn.Parameter
     uses: list[tuple[nn.Module, str]] = field(default_factory=list)
     fqns: list[str] = field(default_factory=list)  # one per use, relative to the unit's module
     replicated: bool = False  # marked fsdp_no_shard (or 0-dim): never sharded
+
+    @property
+    def fqn(self) -> str:
+        """The name of the first use, for messages."""
+        return self.fqns[0]
 
 
 class GroupState(enum.Enum):
