@@ -1,0 +1,228 @@
+"""Distributed checkpoints (``--ckpt-format fsdp_dtensor``) in the Megatron directory layout.
+
+::
+
+    <save_dir>/latest_checkpointed_iteration.txt   the last complete iteration ("10"), replaced atomically
+    <save_dir>/iter_0000010/                       renamed into place only when complete
+        .metadata, __*_*.distcp                    DCP: sharded model + FQN-keyed optimizer state
+        extra.pt                                   the caller's rank-independent dict (rank 0, torch.save)
+        checkpoint.json                            format, iteration, world size, torch version
+        rng/rank_00000.pt ...                      per-rank RNG states (python, numpy, torch CPU/CUDA)
+
+``save_checkpoint`` / ``load_checkpoint`` are what the Megatron front-end calls;
+``save_state`` / ``load_state`` (re-exported from ``checkpoint_io``) are the same
+without the layout, for any directory. Docs: docs/checkpointing.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint_io import (
+    LoadResult,
+    group_rank,
+    group_size,
+    is_checkpoint_dir,
+    load_state,
+    run_on_first,
+    save_state,
+    state_entries,
+    write_file_atomically,
+)
+from .checkpoint_state import CheckpointMismatchError
+
+__all__ = [
+    "CheckpointMismatchError",
+    "LoadResult",
+    "LoadedCheckpoint",
+    "TRACKER_FILE",
+    "iteration_dir",
+    "load_checkpoint",
+    "load_state",
+    "read_latest_iteration",
+    "save_checkpoint",
+    "save_state",
+    "state_entries",
+]
+
+CHECKPOINT_FORMAT = "fsdp_dtensor"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+EXTRA_FILE = "extra.pt"
+INFO_FILE = "checkpoint.json"
+RNG_DIR = "rng"
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What ``load_checkpoint`` restored."""
+
+    iteration: int
+    path: str
+    extra: dict[str, Any]
+    rng_restored: bool
+    missing_keys: list[str] = field(default_factory=list)  # strict=False only
+    unexpected_keys: list[str] = field(default_factory=list)
+    mismatched_keys: list[str] = field(default_factory=list)
+
+
+def iteration_dir(save_dir: str, iteration: int) -> str:
+    """``save_dir/iter_0000010`` for iteration 10."""
+    return os.path.join(save_dir, f"iter_{iteration:07d}")
+
+
+# -- RNG ----------------------------------------------------------------------
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch_cpu": torch.get_rng_state()}
+    try:
+        import numpy
+    except ImportError:
+        pass
+    else:
+        state["numpy"] = numpy.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch_cpu"])
+    if "numpy" in state:
+        try:
+            import numpy
+        except ImportError:
+            pass
+        else:
+            numpy.random.set_state(state["numpy"])
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["torch_cuda"])
+
+
+def _rng_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, RNG_DIR, f"rank_{rank:05d}.pt")
+
+
+# -- save -----------------------------------------------------------------------
+def save_checkpoint(
+    save_dir: str,
+    iteration: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> str:
+    """Write ``save_dir/iter_{iteration:07d}/`` atomically, then point the tracker file at it.
+
+    Collective: every rank of ``process_group`` (default: all ranks) calls it.
+    ``model`` may be sharded with ``fully_shard`` (per module or at the root), a
+    plain module, or wrapped in ``DistributedDataParallel``; keys are FQNs without
+    wrapper prefixes in every case. ``extra`` is a picklable dict of
+    rank-independent things (scheduler state, consumed samples, args), written
+    once by rank 0. Each rank's RNG states are saved too. Returns the directory.
+    """
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict (or None), got {type(extra).__name__}")
+    final = iteration_dir(save_dir, iteration)
+    rank, world = group_rank(process_group), group_size(process_group)
+    rng = _rng_state()
+
+    def add_files(tmp: str) -> None:
+        os.makedirs(os.path.join(tmp, RNG_DIR), exist_ok=True)
+        torch.save(rng, _rng_file(tmp, rank))
+        if rank == 0:
+            torch.save(dict(extra or {}), os.path.join(tmp, EXTRA_FILE))
+            info = {"format": CHECKPOINT_FORMAT, "iteration": iteration, "world_size": world,
+                    "torch_version": torch.__version__}
+            with open(os.path.join(tmp, INFO_FILE), "w") as f:
+                json.dump(info, f, indent=1)
+
+    path = save_state(final, model, optimizer, process_group=process_group, before_commit=add_files)
+    tracker = os.path.join(os.path.abspath(save_dir), TRACKER_FILE)
+    run_on_first(lambda: write_file_atomically(tracker, f"{iteration}\n".encode()), process_group)
+    return path
+
+
+# -- load -----------------------------------------------------------------------
+def read_latest_iteration(load_dir: str) -> int:
+    """The iteration named by ``load_dir/latest_checkpointed_iteration.txt``."""
+    tracker = os.path.join(load_dir, TRACKER_FILE)
+    if not os.path.isfile(tracker):
+        raise FileNotFoundError(
+            f"no checkpoint in {load_dir!r}: expected {TRACKER_FILE} (written by save_checkpoint) naming the "
+            "latest iteration, with an iter_XXXXXXX directory beside it; or pass iteration=..."
+        )
+    with open(tracker) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{tracker} should hold an iteration number, but holds {text!r}")
+    return int(text)
+
+
+_warned_rng = False
+
+
+def load_checkpoint(
+    load_dir: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    iteration: int | None = None,
+    load_optimizer: bool = True,
+    load_rng: bool = True,
+    strict: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+) -> LoadedCheckpoint:
+    """Restore what ``save_checkpoint`` wrote, at any world size and sharding strategy.
+
+    ``iteration=None`` loads the one named by the tracker file. RNG states are
+    restored only when the rank count equals the saving run's (each rank gets its
+    own); otherwise a warning is given once and they are left alone. With
+    ``strict=False`` missing, unexpected or mis-shaped keys are skipped and listed
+    in the result instead of raising ``CheckpointMismatchError``.
+    """
+    global _warned_rng
+    if iteration is None:
+        iteration = read_latest_iteration(load_dir)
+    path = iteration_dir(load_dir, iteration)
+    if not is_checkpoint_dir(path):
+        raise FileNotFoundError(
+            f"no checkpoint for iteration {iteration} in {load_dir!r}: expected the directory {path!r} holding "
+            "a complete save_checkpoint output (with its .metadata file)"
+        )
+    result: LoadResult = load_state(
+        path, model, optimizer if load_optimizer else None, strict=strict, process_group=process_group
+    )
+    extra_file = os.path.join(path, EXTRA_FILE)
+    extra = torch.load(extra_file, weights_only=False) if os.path.isfile(extra_file) else {}
+    rng_restored = False
+    if load_rng:
+        info_file = os.path.join(path, INFO_FILE)
+        saved_world = None
+        if os.path.isfile(info_file):
+            with open(info_file) as f:
+                saved_world = json.load(f).get("world_size")
+        rank, world = group_rank(process_group), group_size(process_group)
+        if saved_world == world and os.path.isfile(_rng_file(path, rank)):
+            _set_rng_state(torch.load(_rng_file(path, rank), weights_only=False))
+            rng_restored = True
+        elif not _warned_rng:
+            _warned_rng = True
+            warnings.warn(
+                f"checkpoint {path!r} was saved by {saved_world} ranks, this run has {world}: "
+                "per-rank RNG states are not restored",
+                stacklevel=2,
+            )
+    return LoadedCheckpoint(iteration, path, extra, rng_restored, result.missing_keys, result.unexpected_keys,
+                            result.mismatched_keys)
