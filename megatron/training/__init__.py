@@ -1,0 +1,1 @@
+"""Megatron-style training front-end: arguments, model providers, data, loop, checkpoints."""
