@@ -19,6 +19,22 @@ Bytes: megatron_fsdp counts its own collectives (``comm_stats``); FSDP2's are co
 wrapping ``torch.distributed``'s flat collectives in this process (measurement only);
 DDP's C++ reducer cannot be wrapped, so its figure is the size of its gradient
 all-reduce payload.
+
+megatron_fsdp keeps freed unsharded weights and gradient buffers in a pool
+(``megatron_fsdp.allocator``); that memory is resident between steps, so its size is
+counted as persistent state. The pool size is printed.
+
+Memory model (printed for megatron_fsdp beside the measurement), per rank:
+
+    sharded persistent state + (1 + prefetch depth) x largest unsharded unit + activations
+
+- sharded persistent state: bytes of this rank's parameter shards, optimizer state and
+  sharded gradients, counted from the tensors after a step (before ``zero_grad``);
+- largest unsharded unit: the largest unit's gathered parameters (sum over its groups
+  of the flat buffer's numel x compute element size);
+- activations: bytes autograd saves for backward in one forward of the unwrapped
+  model on this rank's batch (unique storages seen by ``saved_tensors_hooks``,
+  parameters excluded).
 """
 
 from __future__ import annotations
@@ -44,6 +60,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from train_fully_shard import GPT  # noqa: E402
 
 import megatron_fsdp  # noqa: E402
+from megatron_fsdp.allocator import default_pool, pool_stats  # noqa: E402
 
 FLAT_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor")
 fsdp2_bytes: Counter = Counter()
@@ -76,6 +93,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per implementation")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--impls", default="megatron_fsdp,fsdp2,ddp")
+    p.add_argument("--pool", choices=("keep", "release", "off"), default="keep",
+                   help="megatron_fsdp's buffer pool (opt-in in the library): keep its memory between steps, "
+                        "release it after backward, or off (plain allocations)")
     return p.parse_args()
 
 
@@ -109,12 +129,14 @@ class Impl:
         self.peaks: list[int] = []
         self.bytes: list[int] = []
         self.losses: list[float] = []
+        self.sharded_state = 0  # params + optimizer state + grads after a step (megatron_fsdp)
 
     def persistent_bytes(self) -> int:
         params = list(self.model.parameters())
         state = [v for s in self.optimizer.state.values() for v in s.values()]
         grads = [p.grad for p in params if p.grad is not None]
-        return tensor_bytes(params) + tensor_bytes(state) + tensor_bytes(grads)
+        pool = pool_stats().reserved_bytes if self.name == "megatron_fsdp" else 0
+        return tensor_bytes(params) + tensor_bytes(state) + tensor_bytes(grads) + pool
 
     def step(self, tokens: torch.Tensor, record: bool) -> None:
         cuda = self.device.type == "cuda"
@@ -132,6 +154,8 @@ class Impl:
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         self.optimizer.step()
+        if record and self.name == "megatron_fsdp":
+            self.sharded_state = self.persistent_bytes() - pool_stats().reserved_bytes
         self.optimizer.zero_grad()
         if cuda:
             torch.cuda.synchronize()
@@ -150,6 +174,34 @@ class Impl:
             self.bytes.append(sum(fsdp2_bytes.values()))
         else:
             self.bytes.append(sum(p.numel() * p.element_size() for p in self.model.parameters()))
+
+
+def activation_bytes(model: nn.Module, tokens: torch.Tensor) -> int:
+    """Bytes autograd saves for backward in one forward and loss (unique storages, parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(tokens[:, :-1])
+        nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    return sum(saved.values())
+
+
+def largest_unit_bytes(model: nn.Module) -> tuple[int, int]:
+    """Bytes of the largest unit's gathered parameters, and the prefetch depth of the units."""
+    largest, depth = 0, 1
+    for module in model.modules():
+        unit = getattr(module, "_megatron_fsdp_unit", None)
+        if unit is not None:
+            largest = max(largest, sum(g.layout.total_numel * g.compute_shard.element_size() for g in unit.groups))
+            depth = unit.prefetch_depth
+    return largest, depth
 
 
 def build(name: str, base: nn.Module, device: torch.device) -> Impl:
@@ -180,18 +232,24 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
     count_torch_collectives()
+    default_pool().keep_between_steps = args.pool == "keep"
+    default_pool().wanted = args.pool != "off"
     torch.manual_seed(0)
     base = GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq)
     n_params = sum(p.numel() for p in base.parameters())
+    generator = torch.Generator().manual_seed(1 + rank)
+    sample = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    activations = activation_bytes(copy.deepcopy(base).to(device), sample.to(device))
     impls = [build(name, base, device) for name in args.impls.split(",")]
     del base
-    generator = torch.Generator().manual_seed(1 + rank)
     for step in range(args.warmup + args.steps):
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(device)
         order = impls[step % len(impls):] + impls[: step % len(impls)]
         for impl in order:
             impl.step(tokens, record=step >= args.warmup)
     report(impls, args, n_params, world, rank, device)
+    if "megatron_fsdp" in args.impls.split(","):
+        report_memory_model(next(i for i in impls if i.name == "megatron_fsdp"), activations, rank)
     dist.destroy_process_group()
 
 
@@ -222,6 +280,25 @@ def report(impls: list[Impl], args, n_params: int, world: int, rank: int, device
         a, b = by_name["megatron_fsdp"].losses, by_name["fsdp2"].losses
         worst = max(abs(x - y) for x, y in zip(a, b))
         print(f"\nloss agreement megatron_fsdp vs fsdp2 (rank 0): max |diff| {worst:.2e}")
+
+
+def report_memory_model(impl: Impl, activations: int, rank: int) -> None:
+    """Print the analytic memory model of megatron_fsdp beside its measured peak (rank 0's)."""
+    unit, depth = largest_unit_bytes(impl.model)
+    predicted = impl.sharded_state + (1 + depth) * unit + activations
+    measured = max(impl.peaks)
+    stats = pool_stats()
+    if rank != 0:
+        return
+    mib = 2**20
+    print(f"\nmegatron_fsdp memory model (rank 0, MiB): sharded state {impl.sharded_state / mib:.1f} "
+          f"+ (1 + {depth}) x largest unit {unit / mib:.1f} + activations {activations / mib:.1f} "
+          f"= {predicted / mib:.1f}; measured peak {measured / mib:.1f} ({measured / predicted:.2f}x the model)")
+    kept = "off" if not default_pool().enabled else (
+        "kept between steps" if default_pool().keep_between_steps else "released after each backward")
+    print(f"buffer pool ({kept}): {stats.reserved_bytes / mib:.1f} MiB reserved now in {stats.slabs} slabs, "
+          f"most lent at once {stats.peak_lent_bytes / mib:.1f} MiB; {stats.allocations} allocations, "
+          f"{stats.reuses} reuses over the run")
 
 
 if __name__ == "__main__":

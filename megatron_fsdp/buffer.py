@@ -1,40 +1,59 @@
 """FlatBuffer: one flat tensor whose storage can be released and re-acquired.
 
 Views taken of the buffer stay valid objects across ``free()``/``allocate()``
-(only their storage is resized), so unsharded parameters are created once and
-re-pointed at fresh data by an all-gather, with no copy and no re-registration.
-It knows nothing of sharding, optimizers or precision.
+(only their storage's memory comes and goes), so unsharded parameters are created
+once and re-pointed at fresh data by an all-gather, with no copy and no
+re-registration. The memory is borrowed from a ``BufferPool`` (allocator.py), so
+units and steps reuse it instead of allocating afresh. It knows nothing of
+sharding, optimizers or precision.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .allocator import BufferPool, default_pool
+
 
 class FlatBuffer:
     """A 1-D tensor of fixed numel whose storage is allocated on demand."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, *, allocated: bool = False) -> None:
+    def __init__(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        allocated: bool = False,
+        pool: BufferPool | None = None,
+    ) -> None:
         self.numel = numel
+        self.pool = default_pool() if pool is None else pool
         self.data = torch.empty(numel, dtype=dtype, device=device)
         self._nbytes = self.data.untyped_storage().nbytes()
+        self._pooled = False  # the current memory is on loan from the pool
         if not allocated:
             self.free()
 
     @property
     def allocated(self) -> bool:
-        return self.data.untyped_storage().nbytes() == self._nbytes
+        # A pooled slab may be larger than the buffer.
+        return self.data.untyped_storage().nbytes() >= self._nbytes
 
     def allocate(self) -> torch.Tensor:
         """Give the buffer storage (contents undefined) and return it."""
         if not self.allocated:
-            self.data.untyped_storage().resize_(self._nbytes)
+            self._pooled = self.pool.acquire(self.data.untyped_storage(), self._nbytes)
         return self.data
 
     def free(self) -> None:
         """Release the storage; views keep their shapes but hold no data."""
         if self._nbytes and self.allocated:
-            self.data.untyped_storage().resize_(0)
+            if self._pooled:
+                self.pool.release(self.data.untyped_storage())
+                self._pooled = False
+            else:
+                self.data.untyped_storage().resize_(0)
 
     def view(self, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
         """A view of ``numel(shape)`` elements starting at ``offset``."""

@@ -3,7 +3,9 @@
 Every collective the engine issues goes through here, so that ``comm_stats``
 can report exactly how many bytes each kind of collective moved. Byte counts
 are the logical payload: an all-gather counts its output, a reduce-scatter its
-input, an all-reduce its tensor (the ZeRO accounting of DESIGN.md §7).
+input, an all-reduce its tensor (the ZeRO accounting of DESIGN.md §7). HSDP with
+an outer ``optim`` strategy counts its collectives across ``dp_outer`` apart,
+as ``all_gather_outer`` and ``reduce_scatter_outer``.
 
 Gradients are averaged by scaling before a SUM collective rather than with
 ``ReduceOp.AVG``: gloo and NCCL then give identical numbers, and the result is
@@ -12,7 +14,9 @@ bitwise what ``DistributedDataParallel`` computes.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -62,24 +66,66 @@ class Pending:
         return self._work is None
 
 
+# CUDA only: one all-gather and one reduce-scatter stream per device. Issuing the
+# weight gathers (prefetches included) and the gradient reductions from their own
+# streams keeps them out of the compute stream's queue, so neither waits behind the
+# other kind nor behind compute queued after it was issued; NCCL runs each on its
+# internal stream ordered after the stream it was issued from. CPU/gloo work has no
+# streams: the async work handles give the overlap there.
+use_side_streams = True
+_side_streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def side_stream(kind: str, device: torch.device) -> Iterator[None]:
+    """Issue the collective inside from ``kind``'s dedicated CUDA stream (no-op off CUDA).
+
+    Stream-safety rules kept here and by the callers:
+    - the side stream first waits for the current (producer) stream, so the collective
+      reads the shard or gradients only after the kernels that wrote them;
+    - ``Pending.wait()`` runs on the consumer stream, which then waits for the
+      collective, so outputs are read, and inputs freed or returned to the pool
+      (``BufferPool.release`` records an event), only after it finished.
+    """
+    if device.type != "cuda" or not use_side_streams:
+        yield
+        return
+    key = (kind, device)
+    stream = _side_streams.get(key)
+    if stream is None:
+        stream = _side_streams[key] = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+
+
 def _check_no_alias(output: torch.Tensor, input: torch.Tensor, what: str) -> None:
     # A collective writing into its own input corrupts data silently (seed 000).
     if output.numel() and output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr():
         raise RuntimeError(f"{what}: output aliases input")
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Pending:
-    """Gather equal flat shards from every rank of ``group`` into ``output``."""
+def all_gather(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, kind: str = "all_gather"
+) -> Pending:
+    """Gather equal flat shards from every rank of ``group`` into ``output`` (counted under ``kind``)."""
     _check_no_alias(output, shard, "all_gather")
-    comm_stats.record("all_gather", output)
-    return Pending(_all_gather_flat(output, shard, group=group, async_op=True))
+    comm_stats.record(kind, output)
+    with side_stream("all_gather", output.device):
+        return Pending(_all_gather_flat(output, shard, group=group, async_op=True))
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> Pending:
-    """Sum ``input`` over ``group`` and leave this rank's equal slice in ``output``."""
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, kind: str = "reduce_scatter"
+) -> Pending:
+    """Sum ``input`` over ``group`` and leave this rank's equal slice in ``output`` (counted under ``kind``)."""
+    # Note: an in-place all-reduce of the (dead) input instead of gloo's reduce-scatter was
+    # tried for speed; it desynchronised collectives in a test mixing FSDP2 and our models
+    # on the same groups ("Received data size doesn't match"), so it is not used.
     _check_no_alias(output, input, "reduce_scatter")
-    comm_stats.record("reduce_scatter", input)
-    return Pending(_reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True))
+    comm_stats.record(kind, input)
+    with side_stream("reduce_scatter", input.device):
+        return Pending(_reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True))
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> Pending:

@@ -6,6 +6,10 @@ parameters of its module's subtree that no already-sharded descendant owns.
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -88,6 +92,7 @@ def _validate_params(module: nn.Module, refs: list[ParamRef]) -> None:
 
 def fully_shard(
     module: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
     *,
     mesh: DeviceMesh | None = None,
     sharding_strategy: str | int | ShardingPlan = "optim_grads_params",
@@ -97,8 +102,19 @@ def fully_shard(
     dp_shard_dim: str | None = None,
     dp_outer_dim: str | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
-) -> nn.Module:
+    **whole_model_options: Any,
+) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer | None]:
     """Shard ``module``'s parameters over ``mesh`` and make it an ``FSDPModule``.
+
+    Two forms, told apart by the arguments (docs/whole_model_api.md):
+
+    - per-module (this docstring): ``fully_shard(block, mesh=...)`` bottom-up,
+      then the root; returns ``module``;
+    - whole-model (Megatron-FSDP's one-liner): an optimizer as second argument
+      or any ``fully_shard_model`` option (``fsdp_unit_modules=``,
+      ``device_mesh=``, ``zero_dp_strategy=`` ...) makes it
+      ``model, optimizer = fully_shard(model, optimizer, **options)``: see
+      ``megatron_fsdp.fully_shard_model.fully_shard_whole_model``.
 
     Args:
         module: the module to shard; its class becomes ``FSDP<Class>``.
@@ -114,7 +130,9 @@ def fully_shard(
             positive number every rank's gradient is multiplied by before summing.
         outer_sharding_strategy: HSDP only: ``"no_shard"`` replicates across the
             outer dimension (gradients all-reduced over it after the inner
-            reduce-scatter).
+            reduce-scatter); ``"optim"`` also splits main weights, gradients and
+            optimizer state across it (model weights stay sharded within
+            ``dp_shard``; needs ``optim_grads`` or ``optim_grads_params``).
         dp_shard_dim, dp_outer_dim: names of the mesh dimensions that shard and
             replicate, for meshes with more (e.g. ``tp``) dimensions.
         mp_policy: a ``MixedPrecisionPolicy`` (compute, main-weight, gradient and
@@ -123,6 +141,14 @@ def fully_shard(
     Returns:
         ``module`` itself, whose ``parameters()`` are now sharded DTensors.
     """
+    if optimizer is not None or whole_model_options:
+        from .fully_shard_model import fully_shard_whole_model
+
+        per_module = dict(mesh=mesh, sharding_strategy=sharding_strategy, reshard_after_forward=reshard_after_forward,
+                          gradient_scaling=gradient_scaling, outer_sharding_strategy=outer_sharding_strategy,
+                          mp_policy=mp_policy)
+        return fully_shard_whole_model(module, optimizer, per_module, dp_shard_dim=dp_shard_dim,
+                                       dp_outer_dim=dp_outer_dim, **whole_model_options)
     _require_distributed()
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
@@ -135,10 +161,13 @@ def fully_shard(
     mesh = default_mesh() if mesh is None else mesh
     dp_mesh = resolve_mesh(mesh, dp_shard_dim, dp_outer_dim)
     if resolve_outer_strategy(outer_sharding_strategy, dp_mesh) == "optim":
-        raise NotImplementedError(
-            "outer_sharding_strategy='optim' (optimizer state sharded across dp_outer too) is not supported "
-            "yet; use 'no_shard' (replicate across dp_outer)"
-        )
+        if not plan.grads:
+            raise ValueError(
+                f"outer_sharding_strategy='optim' needs sharding_strategy 'optim_grads' or 'optim_grads_params' "
+                f"(gradients sharded within dp_shard), got sharding_strategy={plan.name!r}; or use "
+                "outer_sharding_strategy='no_shard'"
+            )
+        dp_mesh = dataclasses.replace(dp_mesh, outer_optim=True)
     refs = _collect_params(module)
     _validate_params(module, refs)
     device = mesh_device(dp_mesh.mesh)
@@ -157,7 +186,11 @@ def fully_shard(
         )
         for (_, _, replicated), group in by_kind.items()
     ]
+    for group in unit.groups:  # lets optimizer wrappers and grad-norm code find the engine from a parameter
+        for param in group.sharded_params:
+            param._megatron_fsdp_unit = weakref.ref(unit)
     _move_buffers(module, device)
+    module.register_state_dict_pre_hook(unit.release_before_state_dict)
     module.register_load_state_dict_pre_hook(unit.prepare_state_dict_for_load)
     return make_fsdp_module(module, unit)
 

@@ -20,9 +20,15 @@ OUTER_STRATEGIES = ("no_shard", "optim")
 
 @dataclass(frozen=True)
 class DataParallelMesh:
-    """The data-parallel part of a mesh: ``mesh`` is ``(shard,)`` or ``(outer, shard)``."""
+    """The data-parallel part of a mesh: ``mesh`` is ``(shard,)`` or ``(outer, shard)``.
+
+    ``outer_optim``: main weights and optimizer state are sharded across the
+    outer dimension too (``outer_sharding_strategy="optim"``); otherwise the
+    outer dimension replicates.
+    """
 
     mesh: DeviceMesh
+    outer_optim: bool = False
 
     @property
     def has_outer(self) -> bool:

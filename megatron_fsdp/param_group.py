@@ -33,6 +33,7 @@ from .grad_scaling import GradScaling
 from .layout import FlatLayout, build_flat_layout
 from .mesh import DataParallelMesh
 from .mixed_precision import MixedPrecisionPolicy
+from .outer_shard import gather_compute_shard, outer_shard_geometry, reduce_scatter_outer
 from .ragged_shard import RaggedShard, full_tensor
 from .strategy import ShardingPlan
 
@@ -69,8 +70,7 @@ class PendingReduce:
 
     def finish(self) -> None:
         self.work.wait()
-        self.group.reduce_across_outer(self.output)
-        self.group.install_grads(self.output)
+        self.group.install_grads(self.group.reduce_across_outer(self.output))
 
 
 def copy_param_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -96,8 +96,13 @@ class ParamGroup:
         self.dp = dp
         self.plan = plan
         self.process_group: dist.ProcessGroup = dp.shard_group
-        self.shard_world = dp.shard_size if plan.optim else 1
-        self.shard_rank = dp.shard_rank if plan.optim else 0
+        # HSDP outer 'optim': the main shard is one of dp_shard x dp_outer pieces (see outer_shard).
+        self.outer = outer_shard_geometry(dp) if plan.optim and dp.outer_optim and dp.outer_size > 1 else None
+        if self.outer is not None:
+            self.shard_world, self.shard_rank = self.outer.pieces, self.outer.piece
+        else:
+            self.shard_world = dp.shard_size if plan.optim else 1
+            self.shard_rank = dp.shard_rank if plan.optim else 0
         first = refs[0].param
         policy = policy or MixedPrecisionPolicy(main_params_dtype=None)
         self.compute_dtype, self.dtype, self.grad_dtype, self.comm_dtype = policy.dtypes_for(first.dtype)
@@ -113,13 +118,18 @@ class ParamGroup:
         for ref in refs:  # lets an enclosing fully_shard spot a parameter shared across units
             ref.param._megatron_fsdp_managed = True
         # Compute weights: the main shard itself, or a lower-precision copy of it
-        # refreshed once per optimizer step (what the all-gather moves).
-        self.compute_shard = (
-            self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
-        )
-        self.compute_stale = self.needs_init and self.compute_shard is not self.shard
-        self.refreshes = 0  # main -> compute copies, for tests and accounting
-        self.gathers = self.shard_world > 1
+        # refreshed once per optimizer step (what the all-gather moves). Under
+        # outer 'optim' it is the dp_shard-sized shard, gathered across dp_outer.
+        if self.outer is not None:
+            numel = self.layout.shard_numel * self.outer.outer_size
+            self.compute_shard = torch.zeros(numel, dtype=self.compute_dtype, device=device)
+        else:
+            self.compute_shard = (
+                self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
+            )
+        self.compute_stale = (self.needs_init or self.outer is not None) and self.compute_shard is not self.shard
+        self.refreshes = 0  # main -> compute copies (outer 'optim': all-gathers), for tests and accounting
+        self.gathers = plan.optim and dp.shard_size > 1
         self.unsharded = (
             FlatBuffer(self.layout.total_numel, self.compute_dtype, device, allocated=True) if self.gathers else None
         )
@@ -185,6 +195,9 @@ class ParamGroup:
         return self.as_dtensor(index, local.contiguous())
 
     def _placements(self, index: int) -> list:
+        if self.outer is not None:
+            rows = self.outer.sizes_by_mesh_rank(self.layout.rows_per_rank(index))
+            return [RaggedShard(0, rows, self.outer.order)]
         inner = RaggedShard(0, self.layout.rows_per_rank(index)) if self.gathers else Replicate()
         return [Replicate(), inner] if self.dp.has_outer else [inner]
 
@@ -192,8 +205,9 @@ class ParamGroup:
         """Wrap this rank's piece of parameter ``index`` (or its grad) as a DTensor."""
         slot = self.layout.slots[index]
         full_stride = torch.empty(slot.shape, device="meta").stride()
+        mesh = self.dp.mesh if self.outer is None else self.outer.flat_mesh
         return DTensor.from_local(
-            local, self.dp.mesh, self._placements(index), run_check=False,
+            local, mesh, self._placements(index), run_check=False,
             shape=torch.Size(slot.shape), stride=full_stride,
         )
 
@@ -243,7 +257,10 @@ class ParamGroup:
         """Copy (cast) the main shard into the compute shard, if it is stale."""
         if self.compute_stale:
             with torch.no_grad():
-                self.compute_shard.copy_(self.shard)
+                if self.outer is not None:
+                    gather_compute_shard(self.compute_shard, self.shard, self.dp)
+                else:
+                    self.compute_shard.copy_(self.shard)
             self.compute_stale = False
             self.refreshes += 1
 
@@ -322,6 +339,13 @@ class ParamGroup:
         if self._grads_seen == self._grad_indices:
             self._on_grads_ready(self)
 
+    def discard_unreduced_grads(self) -> None:
+        """Drop gradients accumulated but not reduced yet (``zero_grad_buffer``)."""
+        self.grad_buffer = None
+        self._drop_main_grads()
+        self._grads_seen.clear()
+        self.reduced_this_backward = False
+
     @property
     def grads_pending(self) -> bool:
         return self.grad_buffer is not None and not self.reduced_this_backward
@@ -340,16 +364,30 @@ class ParamGroup:
         if self.dp.shard_size == 1:
             return PendingReduce(self, Pending(None), buffer)
         if self.plan.grads:
-            output = torch.empty(self.layout.shard_numel, dtype=buffer.dtype, device=buffer.device)
-            return PendingReduce(self, reduce_scatter(output, buffer, self.process_group), output)
+            # dp_shard's share of the gradients: the main shard, or under outer 'optim' the compute shard.
+            output = torch.empty(self.compute_shard.numel(), dtype=buffer.dtype, device=buffer.device)
+            work = reduce_scatter(output, buffer, self.process_group)
+            return PendingReduce(self, work, output)
         work = all_reduce(buffer, self.process_group)
         n = self.layout.shard_numel
         return PendingReduce(self, work, buffer.narrow(0, self.shard_rank * n, n))
 
-    def reduce_across_outer(self, reduced_shard: torch.Tensor) -> None:
-        """HSDP: sum this rank's reduced shard over the replicating outer dimension."""
+    @property
+    def replicated_across_outer(self) -> bool:
+        """HSDP: every dp_outer replica holds the same main shard (not so under outer 'optim')."""
+        return self.dp.has_outer and self.dp.outer_size > 1 and self.outer is None
+
+    def reduce_across_outer(self, reduced_shard: torch.Tensor) -> torch.Tensor:
+        """HSDP: sum the dp_shard-reduced gradients over dp_outer; return this rank's main-shard part.
+
+        Outer 'optim' reduce-scatters into this rank's piece; a replicating
+        outer dimension all-reduces in place.
+        """
+        if self.outer is not None:
+            return reduce_scatter_outer(reduced_shard, self.layout.shard_numel, self.dp)
         if self.dp.has_outer and self.dp.outer_size > 1:
             all_reduce(reduced_shard, self.dp.outer_group).wait()
+        return reduced_shard
 
     def install_grads(self, reduced_shard: torch.Tensor) -> None:
         """Add the reduced shard into the sharded parameters' ``.grad`` (creating them)."""

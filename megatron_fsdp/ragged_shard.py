@@ -32,38 +32,55 @@ _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_te
 
 
 class RaggedShard(Shard):
-    """Shard on ``dim`` where mesh rank ``r`` holds ``local_sizes[r]`` consecutive slices."""
+    """Shard on ``dim`` where mesh rank ``r`` holds ``local_sizes[r]`` consecutive slices.
 
-    def __init__(self, dim: int, local_sizes: Sequence[int]) -> None:
+    ``order`` (default: mesh order) lists the mesh ranks in the order their
+    pieces follow one another along ``dim``. HSDP with an outer ``optim``
+    strategy needs it: pieces are laid out ``dp_shard``-major over a mesh whose
+    (process-group) order is ``dp_outer``-major (see ``outer_shard``).
+    """
+
+    def __init__(self, dim: int, local_sizes: Sequence[int], order: Sequence[int] | None = None) -> None:
         super().__init__(dim)
-        object.__setattr__(self, "local_sizes", tuple(int(s) for s in local_sizes))
+        sizes = tuple(int(s) for s in local_sizes)
+        order = tuple(range(len(sizes))) if order is None else tuple(int(r) for r in order)
+        if sorted(order) != list(range(len(sizes))):
+            raise ValueError(f"RaggedShard order {order} is not a permutation of the {len(sizes)} mesh ranks")
+        object.__setattr__(self, "local_sizes", sizes)
+        object.__setattr__(self, "order", order)
 
     # -- identity ---------------------------------------------------------------
     def __eq__(self, other: object) -> bool:
         if isinstance(other, RaggedShard):
-            return self.dim == other.dim and self.local_sizes == other.local_sizes
+            return self.dim == other.dim and self.local_sizes == other.local_sizes and self.order == other.order
         return isinstance(other, Shard) and type(other) is Shard and other.dim == self.dim
 
     def __ne__(self, other: object) -> bool:
         return not self.__eq__(other)
 
     def __hash__(self) -> int:
-        return hash(("RaggedShard", self.dim, self.local_sizes))
+        return hash(("RaggedShard", self.dim, self.local_sizes, self.order))
+
+    @property
+    def _in_mesh_order(self) -> bool:
+        return self.order == tuple(range(len(self.local_sizes)))
 
     def __repr__(self) -> str:
-        return f"RaggedShard(dim={self.dim}, local_sizes={self.local_sizes})"
+        order = "" if self._in_mesh_order else f", order={self.order}"
+        return f"RaggedShard(dim={self.dim}, local_sizes={self.local_sizes}{order})"
 
     __str__ = __repr__
 
     def __reduce__(self):
-        return (RaggedShard, (self.dim, self.local_sizes))
+        return (RaggedShard, (self.dim, self.local_sizes, self.order))
 
     def __deepcopy__(self, memo):
-        return RaggedShard(self.dim, self.local_sizes)
+        return RaggedShard(self.dim, self.local_sizes, self.order)
 
     # -- geometry ---------------------------------------------------------------
     def offset(self, rank: int) -> int:
-        return sum(self.local_sizes[:rank])
+        """First slice held by mesh rank ``rank``: the slices of the ranks before it in ``order``."""
+        return sum(self.local_sizes[r] for r in self.order[: self.order.index(rank)])
 
     def _check(self, dim_size: int, num_chunks: int) -> None:
         if num_chunks != len(self.local_sizes) or dim_size != sum(self.local_sizes):
@@ -99,9 +116,9 @@ class RaggedShard(Shard):
         gathered = _all_gather(local_tensor.contiguous(), self.dim, (mesh, mesh_dim))
         if isinstance(gathered, funcol.AsyncCollectiveTensor):
             gathered = gathered.wait()
-        pieces = torch.split(gathered, biggest, dim=self.dim)
+        pieces = torch.split(gathered, biggest, dim=self.dim)  # in mesh (process-group) order
         return torch.cat(
-            [p.narrow(self.dim, 0, n) for p, n in zip(pieces, self.local_sizes)], dim=self.dim
+            [pieces[r].narrow(self.dim, 0, self.local_sizes[r]) for r in self.order], dim=self.dim
         )
 
     def _replicate_to_shard(self, local_tensor, mesh, mesh_dim, shard_index, **_):

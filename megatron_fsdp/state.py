@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING
 
 from torch.autograd import Variable
 
+from .allocator import default_pool
+from .profiling import REDUCE_ISSUE, REDUCE_WAIT, trace_range
+
 if TYPE_CHECKING:
     from .param_group import PendingReduce
     from .unit import FSDPUnit
@@ -27,6 +30,8 @@ class RootState:
         self.root = root
         self.units = units
         self._in_flight: deque[PendingReduce] = deque()
+        # 0 makes every reduction synchronous (Megatron's overlap_grad_reduce=False).
+        self.max_in_flight: int = getattr(root, "max_reduces_in_flight", MAX_REDUCES_IN_FLIGHT)
         self._callback_queued = False
         # Units in the order their forward first ran, recorded every forward and
         # used by the next iteration to prefetch (all-gather ahead of use).
@@ -77,11 +82,15 @@ class RootState:
         if reduce is None:
             return
         self._in_flight.append(reduce)
-        while len(self._in_flight) > MAX_REDUCES_IN_FLIGHT:
-            self._in_flight.popleft().finish()
+        while len(self._in_flight) > self.max_in_flight:
+            self._finish_oldest()
 
     def drain(self) -> None:
         while self._in_flight:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        with trace_range(REDUCE_WAIT, self.root.device):
             self._in_flight.popleft().finish()
 
     def finish_backward(self) -> None:
@@ -91,7 +100,12 @@ class RootState:
         for unit in self.units:
             for group in unit.groups:
                 if group.grads_pending:
-                    self.track(group.reduce_grads(unit.reduces_now, unit.grad_scaling))
+                    with trace_range(REDUCE_ISSUE, unit.device):
+                        reduce = group.reduce_grads(unit.reduces_now, unit.grad_scaling)
+                    self.track(reduce)
         self.drain()
+        step_may_follow = self.root.optimizer_step_may_follow
         for unit in self.units:
             unit.finish_backward()
+        if step_may_follow:
+            default_pool().end_of_backward()

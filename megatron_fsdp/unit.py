@@ -25,6 +25,7 @@ from .grad_scaling import GradScaling
 from .microbatch import MicrobatchFlags
 from .mixed_precision import MixedPrecisionPolicy
 from .param_group import ParamGroup
+from .profiling import REDUCE_ISSUE, REDUCE_WAIT, RESHARD, UNSHARD_ISSUE, UNSHARD_WAIT, trace_range
 from .strategy import ShardingPlan
 
 if TYPE_CHECKING:
@@ -113,18 +114,38 @@ class FSDPUnit:
     def prefetch(self) -> None:
         """Start this unit's all-gathers early, unless it is busy or already gathered."""
         if self.state is TrainingState.IDLE:
-            for group in self.groups:
-                group.start_unshard()
+            with trace_range(UNSHARD_ISSUE, self.device):
+                for group in self.groups:
+                    group.start_unshard()
 
     def unshard(self) -> None:
-        for group in self.groups:
-            group.start_unshard()
-        for group in self.groups:
-            group.finish_unshard()
+        with trace_range(UNSHARD_ISSUE, self.device):
+            for group in self.groups:
+                group.start_unshard()
+        with trace_range(UNSHARD_WAIT, self.device):
+            for group in self.groups:
+                group.finish_unshard()
 
     def reshard(self) -> None:
-        for group in self.groups:
-            group.reshard()
+        with trace_range(RESHARD, self.device):
+            for group in self.groups:
+                group.reshard()
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where this unit's parameters live (for NVTX ranges); None without parameters."""
+        return self.groups[0].shard.device if self.groups else None
+
+    def release_before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """``state_dict`` pre-hook: an idle unit saves its sharded main weights, not gathered copies.
+
+        ZeRO-0/1/2 keep gathered compute weights installed after a forward without
+        backward (evaluation) or during accumulation; a state dict taken then would
+        hold those (e.g. bf16, unsharded) instead of the main shards. Resharding only
+        frees: the next forward gathers again.
+        """
+        if self.state is TrainingState.IDLE:
+            self.reshard()
 
     def prepare_state_dict_for_load(self, module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
         """``load_state_dict`` pre-hook: re-cut incoming values into our shards."""
@@ -218,11 +239,13 @@ class FSDPUnit:
 
     def on_grads_ready(self, group: ParamGroup) -> None:
         """Every trainable parameter of ``group`` has its gradient: reduce it."""
-        reduce = group.reduce_grads(self.reduces_now, self.grad_scaling)
+        with trace_range(REDUCE_ISSUE, self.device):
+            reduce = group.reduce_grads(self.reduces_now, self.grad_scaling)
         if self.root_state is not None:
             self.root_state.track(reduce)
         elif reduce is not None:
-            reduce.finish()
+            with trace_range(REDUCE_WAIT, self.device):
+                reduce.finish()
         if self._reshard_when_reduced and not any(g.grads_pending for g in self.groups):
             self._reshard_when_reduced = False
             self.reshard()

@@ -8,10 +8,7 @@ parallel size, so training must match single-process training over the same step
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass
 
@@ -49,7 +46,7 @@ from megatron_fsdp.checkpoint_export import (
     read_full_tensors,
 )
 from tests.distributed.engine_checks import expect_error, world
-from tests.distributed.harness import check
+from tests.distributed.harness import check, shared_tmpdir
 
 SUITE = "checkpoint"
 GLOBAL_ROWS = 4  # rows per global batch: divisible by every data-parallel size used
@@ -58,16 +55,6 @@ RESULTS: list[str] = []
 
 
 # -- helpers --------------------------------------------------------------------
-@contextlib.contextmanager
-def shared_tmpdir():
-    holder = [tempfile.mkdtemp(prefix="ckpt_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(holder)
-    try:
-        yield holder[0]
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(holder[0], ignore_errors=True)
 
 
 def batch_for(step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
@@ -189,7 +176,7 @@ def run_reshard(save: Setup, load: Setup, tolerance: float = 1e-5, compare_exact
     """Train SAVE_STEPS under ``save``, checkpoint, resume under ``load`` for RESUME_STEPS; check vs single."""
     ref, ref_opt = reference(SAVE_STEPS + RESUME_STEPS)
     err = 0.0
-    with shared_tmpdir() as root:
+    with shared_tmpdir("ckpt_") as root:
         path = os.path.join(root, "ckpt")
         if save.member:
             model = save.build(seed=0)
@@ -264,7 +251,7 @@ def dcp_save_writes_each_ranks_rows_at_their_global_offsets() -> None:
     model = Setup("zero3", init_device_mesh("cpu", (n,))).build(seed=0)
     opt = adamw(model)
     train(model, opt, range(1), (rank, n))
-    with shared_tmpdir() as root:
+    with shared_tmpdir("ckpt_") as root:
         # the standard PyTorch recipe, on our model
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
                  checkpoint_id=root)
@@ -377,7 +364,7 @@ def optimizer_state_survives_new_order_and_grouping() -> None:
     model = setup.build(seed=0)
     opt = adamw(model)
     train(model, opt, range(2), (rank, n))
-    with shared_tmpdir() as root:
+    with shared_tmpdir("ckpt_") as root:
         save_state(root + "/one_group", model, opt)
         # one group -> two groups, parameters listed in reverse: state by FQN, lr from the saved group
         fresh = setup.build(seed=3)
@@ -430,7 +417,7 @@ def strict_load_names_the_tensor_and_partial_load_reports() -> None:
     model = _shard(Net(), n)
     opt = adamw(model)
     train(model, opt, range(1), (rank, n))
-    with shared_tmpdir() as root:
+    with shared_tmpdir("ckpt_") as root:
         save_state(root, model, opt)
         cases = [
             (ExtraParamNet, "model.extra", "missing_keys"),
@@ -460,7 +447,7 @@ def save_is_atomic() -> None:
     rank, n = world()
     model = _shard(Net(), n)
     opt = adamw(model)
-    with shared_tmpdir() as root:
+    with shared_tmpdir("ckpt_") as root:
         target = os.path.join(root, "ckpt")
         seen = {}
 
@@ -497,7 +484,7 @@ def megatron_layout_save_resume_rng_and_extra() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     train(model, opt, range(SAVE_STEPS), (rank, n))
     scheduler.step()
-    with shared_tmpdir() as root:
+    with shared_tmpdir("ckpt_") as root:
         expect_error(FileNotFoundError, TRACKER_FILE, load_checkpoint, root, model)
         extra = {"scheduler": scheduler.state_dict(), "consumed_samples": 64, "args": {"lr": 1e-2}}
         torch.manual_seed(100 + rank)  # per-rank RNG streams
@@ -533,7 +520,7 @@ def megatron_layout_other_world_size_skips_rng() -> None:
     n = dist.get_world_size()
     half = Setup("zero3-half", sub_mesh(n // 2))
     full_ = Setup("zero3-all", sub_mesh(n))
-    with shared_tmpdir() as root:
+    with shared_tmpdir("ckpt_") as root:
         model = full_.build(seed=0)
         opt = adamw(model)
         train(model, opt, range(1), full_.dp)
@@ -554,7 +541,7 @@ def ddp_baseline_checkpoint_loads_into_fsdp_and_back() -> None:
     n = dist.get_world_size()
     run_reshard(Setup("ddp", None, kind="ddp"), Setup(f"zero3@{n}", sub_mesh(n)))
     run_reshard(Setup(f"zero2@{n}", sub_mesh(n), "optim_grads"), Setup("ddp", None, kind="ddp"))
-    with shared_tmpdir() as root:  # keys carry no "module." prefix
+    with shared_tmpdir("ckpt_") as root:  # keys carry no "module." prefix
         ddp = Setup("ddp", None, kind="ddp").build(seed=0)
         save_checkpoint(root, 1, ddp, adamw(ddp))
         keys = FileSystemReader(iteration_dir(root, 1)).read_metadata().state_dict_metadata
@@ -569,7 +556,7 @@ def fsdp2_checkpoints_load_into_ours_and_back() -> None:
     run_reshard(fsdp2, Setup(f"zero3@{n // 2}", sub_mesh(n // 2)))
     run_reshard(Setup(f"zero1@{n}", sub_mesh(n), "optim"), fsdp2)
     # a checkpoint written with the plain PyTorch recipe (no megatron_fsdp code) loads too
-    with shared_tmpdir() as root:
+    with shared_tmpdir("ckpt_") as root:
         model = fsdp2.build(seed=0)
         opt = adamw(model)
         train(model, opt, range(SAVE_STEPS), (dist.get_rank(), n))
@@ -589,7 +576,7 @@ def export_and_import_full_state_dict() -> None:
     opt = adamw(model)
     train(model, opt, range(1), (rank, n))
     expected = {k: v.detach() for k, v in ref.state_dict().items()}
-    with shared_tmpdir() as root:
+    with shared_tmpdir("ckpt_") as root:
         save_checkpoint(root, 1, model, opt)
         for ext in ("safetensors", "pt"):
             live = export_full_state_dict(model, os.path.join(root, f"live.{ext}"))

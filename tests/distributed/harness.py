@@ -7,14 +7,16 @@ reports every check separately from the collected results.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
 import os
+import shutil
 import socket
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -38,7 +40,20 @@ def names(suite: str, world_size: int) -> list[str]:
     return [name for name, _ in CHECKS.get(f"{suite}@{world_size}", [])]
 
 
-def _free_port() -> int:
+@contextlib.contextmanager
+def shared_tmpdir(prefix: str = "mfsdp_") -> Iterator[str]:
+    """A temporary directory rank 0 creates and every rank gets the path of; removed on exit."""
+    holder = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder)
+    try:
+        yield holder[0]
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(holder[0], ignore_errors=True)
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -75,7 +90,7 @@ def run_suite(module: str, suite: str, world_size: int) -> dict[str, list[str]]:
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(
-                _worker, args=(world_size, _free_port(), module, suite, out_dir), nprocs=world_size,
+                _worker, args=(world_size, free_port(), module, suite, out_dir), nprocs=world_size,
                 start_method="spawn", join=True,
             )
         except mp.ProcessExitedException:

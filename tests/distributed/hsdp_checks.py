@@ -92,8 +92,8 @@ def hsdp_bad_input() -> None:
     flat = init_device_mesh("cpu", (4,))
     expect_error(ValueError, "needs an outer data-parallel dimension", fully_shard, Block(), mesh=flat,
                  outer_sharding_strategy="optim")
-    expect_error(NotImplementedError, "not supported yet", fully_shard, Block(), mesh=mesh2,
-                 outer_sharding_strategy="optim")
+    expect_error(ValueError, "needs sharding_strategy 'optim_grads' or 'optim_grads_params'", fully_shard, Block(),
+                 mesh=mesh2, sharding_strategy="optim", outer_sharding_strategy="optim")
 
 
 @check(SUITE, world_sizes=(4,))

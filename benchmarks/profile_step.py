@@ -1,0 +1,83 @@
+"""Where one training step's time goes: torch.profiler over a few steps of one implementation.
+
+Run (2 CPU ranks):
+
+    torchrun --nproc-per-node 2 benchmarks/profile_step.py --impl megatron_fsdp --steps 3
+    torchrun --nproc-per-node 2 benchmarks/profile_step.py --impl fsdp2 --steps 3
+
+Builds the same GPT as ``compare.py``, runs warm-up steps, then profiles ``--steps`` steps
+on every rank and prints rank 0's operators sorted by self CPU time, plus the total time
+inside megatron_fsdp's named ranges (``megatron_fsdp.unshard.wait`` is time the step
+waited for an all-gather; ``reduce.wait`` for a reduction). ``--trace DIR`` also writes
+a Chrome trace per rank, where the ranges show the overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare import GPT, build  # noqa: E402
+
+from megatron_fsdp.allocator import pool_stats  # noqa: E402
+from megatron_fsdp.profiling import RANGE_NAMES  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impl", default="megatron_fsdp", choices=("megatron_fsdp", "fsdp2", "ddp"))
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rows", type=int, default=25, help="operators to print")
+    p.add_argument("--trace", default=None, help="directory for Chrome traces (one per rank)")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    impl = build(args.impl, GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq), torch.device("cpu"))
+    generator = torch.Generator().manual_seed(1 + rank)
+
+    def step() -> None:
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator)
+        logits = impl.model(tokens[:, :-1])
+        nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        impl.optimizer.step()
+        impl.optimizer.zero_grad()
+
+    for _ in range(args.warmup):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            step()
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(args.trace, f"{args.impl}_rank{rank}.json"))
+    if rank == 0:
+        averages = prof.key_averages()
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        ranges = {e.key: e for e in averages if e.key in RANGE_NAMES}
+        for name in RANGE_NAMES:
+            if name in ranges:
+                e = ranges[name]
+                print(f"{name:32s} calls {e.count // args.steps:4d}/step  "
+                      f"total {e.cpu_time_total / 1e3 / args.steps:8.1f} ms/step")
+        if args.impl == "megatron_fsdp":
+            print(pool_stats())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

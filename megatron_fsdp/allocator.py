@@ -1,0 +1,186 @@
+"""BufferPool: reusable memory for transient unsharded weights.
+
+Every unit gathers its weights into a full-size buffer before use and frees it after.
+Allocating that afresh each time costs a system call and page faults per buffer on CPU
+(the kernel zeroes every new page) and fragments the CUDA caching allocator. The pool
+keeps the freed memory as *slabs* and lends them again, across units and across steps;
+in steady state a step allocates nothing. ``FlatBuffer`` (the gathered weights) uses
+it; ``tensor``/``release_tensor`` lend plain tensors (gradient buffers are not pooled
+yet: see docs/performance.md).
+
+How memory is lent without breaking autograd: the unsharded parameters are views of
+one storage object that autograd holds on to between forward and backward, so the
+storage object must stay the same while its memory comes and goes. ``acquire`` moves
+a slab's memory *into* the caller's (empty) storage object and ``release`` moves it
+back out, with ``UntypedStorage._swap_data_ptr_`` (no copy). Where that private
+method is missing the pool falls back to plain ``resize_`` (no pooling, same results).
+
+Sizing: a request takes the smallest free slab that holds it and wastes at most
+``max_waste`` times its size; otherwise a new slab of exactly its size is made. The
+pool therefore grows to the largest set of buffers alive at once (for a transformer:
+the root's weights, the unit computing and the prefetched one) and then stops
+growing; ``reserved_bytes`` is that size.
+
+Stream safety (CUDA): ``release`` records an event on the current stream; the next
+``acquire`` of that slab makes the current stream wait for it. The engine releases a
+buffer only after the current stream has waited for every collective that used it
+(DESIGN.md §8: never release a buffer a collective in flight still reads or writes).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+_swap = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
+
+
+@dataclass
+class _Slab:
+    storage: torch.UntypedStorage  # owns the memory while the slab is free
+    nbytes: int
+    ready: object | None = None  # CUDA event: the last user's work on the slab is queued before it
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a pool's counters (see ``BufferPool``)."""
+
+    reserved_bytes: int  # memory held by the pool: free slabs plus lent ones
+    lent_bytes: int  # memory lent out now
+    peak_lent_bytes: int  # most memory lent at once
+    slabs: int  # slabs ever created and not trimmed
+    allocations: int  # requests that created a new slab
+    reuses: int  # requests served from a free slab
+
+
+class BufferPool:
+    """Slabs of device memory lent to empty storages and taken back (see module docstring)."""
+
+    def __init__(self, max_waste: float = 2.0, keep_between_steps: bool = True, enabled: bool = True) -> None:
+        if max_waste < 1.0:
+            raise ValueError(f"max_waste must be >= 1.0 (a slab at least as large as the request), got {max_waste}")
+        self.max_waste = max_waste
+        self.wanted = enabled  # False: plain allocations (resize_), no pooling
+        # False: give the free slabs back at the end of every backward, so the optimizer
+        # step's temporaries can use that memory (lower peak), at the cost of allocating
+        # the slabs again each step (on CPU: page faults; on CUDA: the caching allocator's cost).
+        self.keep_between_steps = keep_between_steps
+        self._free: dict[torch.device, list[_Slab]] = {}
+        self.reserved_bytes = 0
+        self.lent_bytes = 0
+        self.peak_lent_bytes = 0
+        self.slabs = 0
+        self.allocations = 0
+        self.reuses = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether memory is pooled: wanted, and this torch can move memory between storages."""
+        return self.wanted and _swap is not None
+
+    def acquire(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
+        """Give the empty ``storage`` at least ``nbytes`` of memory; True if it came from the pool.
+
+        The contents are undefined. Memory acquired from the pool must be given back
+        with ``release``; with False the storage was simply resized (free it with ``resize_(0)``).
+        """
+        if storage.nbytes() != 0:
+            raise RuntimeError(f"acquire: the storage must be empty, it holds {storage.nbytes()} bytes")
+        if nbytes <= 0 or not self.enabled:
+            storage.resize_(nbytes)
+            return False
+        slab = self._take(storage.device, nbytes)
+        if slab.ready is not None:
+            torch.cuda.current_stream(storage.device).wait_event(slab.ready)
+        _swap(storage, slab.storage)
+        self.lent_bytes += slab.nbytes
+        self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)
+        return True
+
+    def release(self, storage: torch.UntypedStorage) -> None:
+        """Take back the memory ``acquire`` lent to ``storage``, leaving it empty."""
+        holder = torch.UntypedStorage(0, device=storage.device)
+        _swap(holder, storage)
+        slab = _Slab(holder, holder.nbytes())
+        if holder.device.type == "cuda":
+            # Work queued so far on this stream may still use the memory.
+            slab.ready = torch.cuda.Event()
+            slab.ready.record(torch.cuda.current_stream(holder.device))
+        self.lent_bytes -= slab.nbytes
+        self._free.setdefault(holder.device, []).append(slab)
+
+    def tensor(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D tensor of pooled memory (contents undefined); give it back with ``release_tensor``."""
+        out = torch.empty(0, dtype=dtype, device=device)
+        storage = out.untyped_storage()
+        nbytes = numel * out.element_size()
+        if not self.acquire(storage, nbytes):
+            return torch.empty(numel, dtype=dtype, device=device)
+        out.set_(storage, 0, (numel,), (1,))
+        out._megatron_fsdp_pool = self
+        return out
+
+    def release_tensor(self, tensor: torch.Tensor) -> None:
+        """Give back the memory of a tensor made by ``tensor`` (every view of it becomes empty).
+
+        A no-op for any other tensor, and for the same tensor a second time.
+        """
+        if getattr(tensor, "_megatron_fsdp_pool", None) is self:
+            del tensor._megatron_fsdp_pool
+            self.release(tensor.untyped_storage())
+
+    def trim(self) -> int:
+        """Free every slab not lent out; return the bytes freed."""
+        for slabs in self._free.values():
+            for slab in slabs:
+                if slab.ready is not None:
+                    slab.ready.synchronize()  # queued work may still use it; the caching allocator cannot know
+        freed = sum(s.nbytes for slabs in self._free.values() for s in slabs)
+        self.slabs -= sum(len(slabs) for slabs in self._free.values())
+        self._free.clear()
+        self.reserved_bytes -= freed
+        return freed
+
+    def end_of_backward(self) -> None:
+        """Called once a backward that an optimizer step may follow is over (see ``keep_between_steps``)."""
+        if not self.keep_between_steps:
+            self.trim()
+
+    def stats(self) -> PoolStats:
+        """Current counters."""
+        return PoolStats(self.reserved_bytes, self.lent_bytes, self.peak_lent_bytes, self.slabs,
+                         self.allocations, self.reuses)
+
+    def _take(self, device: torch.device, nbytes: int) -> _Slab:
+        free = self._free.get(device, [])
+        fits = [s for s in free if nbytes <= s.nbytes <= self.max_waste * nbytes]
+        if fits:
+            best = min(fits, key=lambda s: s.nbytes)
+            free.remove(best)
+            self.reuses += 1
+            return best
+        self.allocations += 1
+        self.slabs += 1
+        self.reserved_bytes += nbytes
+        return _Slab(torch.UntypedStorage(nbytes, device=device), nbytes)
+
+
+# Opt-in for now: with the pool on, a DCP save/load test sequence (tests/distributed/
+# test_checkpoint.py at 2 ranks) crashed a rank with SIGSEGV, reproducibly, and passed
+# with it off. Until that is understood, FlatBuffer memory is plain unless the caller
+# sets MEGATRON_FSDP_BUFFER_POOL=1 (or default_pool().wanted = True).
+POOL_ENV = "MEGATRON_FSDP_BUFFER_POOL"
+_default_pool = BufferPool(enabled=os.environ.get(POOL_ENV, "0") == "1")
+
+
+def default_pool() -> BufferPool:
+    """The process-wide pool every ``FlatBuffer`` and gradient buffer uses unless told otherwise."""
+    return _default_pool
+
+
+def pool_stats() -> PoolStats:
+    """Counters of the process-wide pool; ``reserved_bytes`` is the pool size."""
+    return _default_pool.stats()

@@ -1,0 +1,275 @@
+"""``MegatronFSDP``: the whole-model wrapper Megatron's training loop drives.
+
+It holds a model already sharded with ``fully_shard`` (bottom-up, root last;
+``fully_shard_model`` builds it) at ``.module`` and adds the methods Megatron's
+loop calls on its data-parallel wrappers. There is no second engine: every
+method is a few calls on the model's ``FSDPUnit``s, and the same per-step
+operations (``finish_grad_sync``, ``install_weights``, ``discard_grad_buffers``,
+``scale_grads``) serve the optimizer wrapper (``optimizer.py``), which finds the
+units from the sharded parameters it steps.
+
+State-dict keys are those of any ``nn.Module`` wrapper: ``module.``-prefixed,
+as in the reference. ``get_model_state_dict(model.module)`` (or ``.module.state_dict()``)
+gives the unprefixed keys of the original model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .collectives import broadcast
+from .grad_norm import check_grads_finite, clip_grad_norm_, sharded_parameters
+from .microbatch import MicrobatchFlags
+from .module import FSDPModule
+from .unit import FSDPUnit, TrainingState
+
+
+def units_of(model: nn.Module) -> list[FSDPUnit]:
+    """Every ``FSDPUnit`` under ``model``, in module order (the same on every rank)."""
+    return [m.fsdp_unit for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def units_of_params(params: Iterable[torch.Tensor]) -> list[FSDPUnit]:
+    """The units that own ``params`` (sharded parameters), each once, in first-seen order."""
+    units: dict[int, FSDPUnit] = {}
+    for param in params:
+        ref = getattr(param, "_megatron_fsdp_unit", None)
+        unit = ref() if ref is not None else None
+        if unit is not None:
+            units.setdefault(id(unit), unit)
+    return list(units.values())
+
+
+# -- per-step operations on units (shared with the optimizer wrapper) ---------------
+
+
+def start_grad_sync(units: list[FSDPUnit]) -> None:
+    """Start reducing gradients accumulated but not reduced yet (e.g. under ``no_sync``)."""
+    for unit in units:
+        for group in unit.groups:
+            if group.grads_pending:
+                reduce = group.reduce_grads(True, unit.grad_scaling)
+                if unit.root_state is not None:
+                    unit.root_state.track(reduce)
+                elif reduce is not None:
+                    reduce.finish()
+
+
+def finish_grad_sync(units: list[FSDPUnit]) -> None:
+    """Reduce what is pending, wait for every reduction, and mark the weights stale.
+
+    After it, every sharded parameter's ``.grad`` holds the reduced gradient and
+    the next forward re-gathers weights from the (about to be updated) main shards.
+    """
+    start_grad_sync(units)
+    roots = {id(u.root_state): u.root_state for u in units if u.root_state is not None}
+    for root in roots.values():
+        root.drain()
+    install_weights(units, eager=False)
+
+
+def install_weights(units: list[FSDPUnit], *, eager: bool = True) -> None:
+    """The main weights changed: release gathered weights; ``eager`` also refreshes compute copies now.
+
+    Without ``eager`` the low-precision compute copy is refreshed by the next
+    all-gather; with it the cast happens here, right after the optimizer step.
+    """
+    for unit in units:
+        if unit.state is not TrainingState.IDLE:
+            raise RuntimeError(
+                f"cannot install weights of {type(unit.module).__name__} during its {unit.state.value}; "
+                "call it between training steps"
+            )
+        unit.mark_weights_stale()
+        if eager:
+            for group in unit.groups:
+                if not group.needs_init:
+                    group.refresh_compute()
+
+
+def discard_grad_buffers(units: list[FSDPUnit], *, reduced: bool = True) -> None:
+    """Drop unreduced gradient buffers and (``reduced``) the sharded ``.grad``s."""
+    for unit in units:
+        for group in unit.groups:
+            group.discard_unreduced_grads()
+            if reduced:
+                for param in group.sharded_params:
+                    param.grad = None
+
+
+def scale_grads(units: list[FSDPUnit], factor: float) -> None:
+    """Multiply every gradient, reduced (``.grad``) or still accumulating (``main_grad``), by ``factor``."""
+    with torch.no_grad():
+        for unit in units:
+            for group in unit.groups:
+                if group.grad_buffer is not None:
+                    group.grad_buffer.mul_(factor)
+                for param in group.sharded_params:
+                    if param.grad is not None:
+                        grad = param.grad
+                        (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(factor)
+
+
+def stop_communication(units: list[FSDPUnit]) -> None:
+    """Wait for every collective in flight (reductions, prefetched all-gathers)."""
+    roots = {id(u.root_state): u.root_state for u in units if u.root_state is not None}
+    for root in roots.values():
+        root.drain()
+    for unit in units:
+        if unit.state is TrainingState.IDLE:
+            unit.reshard()  # waits for (and frees) a prefetch nobody consumed
+
+
+def named_sharded_parameters(units: list[FSDPUnit], root: nn.Module | None = None) -> list[tuple[str, nn.Parameter]]:
+    """(FQN relative to the root model, sharded parameter) for every parameter of ``units``.
+
+    The root is ``root`` if given, else found from the units' runtime state
+    (which exists once a forward ran).
+    """
+    roots = {id(u.root_state): u.root_state.root.module for u in units if u.root_state is not None}
+    if root is not None:
+        roots = {id(root): root}
+    prefixes: dict[int, str] = {}
+    for root in roots.values():
+        for name, module in root.named_modules(remove_duplicate=False):
+            prefixes.setdefault(id(module), f"{name}." if name else "")
+    out = []
+    for unit in units:
+        prefix = prefixes.get(id(unit.module), f"{type(unit.module).__name__}.")
+        for group in unit.groups:
+            for ref, param in zip(group.refs, group.sharded_params):
+                out.append((prefix + ref.fqn, param))
+    return out
+
+
+class MegatronFSDP(nn.Module):
+    """A ``fully_shard``-ed model with the data-parallel methods of Megatron's training loop.
+
+    Built by :func:`megatron_fsdp.fully_shard_model`; constructing it directly
+    needs a module on which ``fully_shard`` was already applied (root included).
+
+    Args:
+        module: the sharded root module (kept at ``.module``).
+        sync_model_each_microbatch: True: every backward reduces its gradients
+            and waits for them, and weights are re-gathered from the main shards
+            after it (the engine's default). False: backward passes accumulate
+            as micro-batches of one step (``megatron_fsdp.microbatch`` semantics):
+            ZeRO-1/2 weights stay gathered and full-size gradients stay local
+            until ``finish_grad_sync()`` (or ``optimizer.step()`` of a
+            ``fully_shard_optimizer``-ed optimizer), which must then be called.
+        check_for_nan_in_grad: ``finish_grad_sync()`` raises, on every rank,
+            naming the parameters whose reduced gradient holds NaN/Inf.
+    """
+
+    def __init__(
+        self, module: nn.Module, *, sync_model_each_microbatch: bool = False, check_for_nan_in_grad: bool = False
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, FSDPModule):
+            raise TypeError(
+                f"MegatronFSDP wraps a module sharded with fully_shard (root included); {type(module).__name__} "
+                "is not: use megatron_fsdp.fully_shard_model(module, fsdp_unit_modules=[...]) instead"
+            )
+        self.module = module
+        self.sync_model_each_microbatch = bool(sync_model_each_microbatch)
+        self.check_for_nan_in_grad = bool(check_for_nan_in_grad)
+        self._next_microbatch_is_first = True
+
+    @property
+    def fsdp_units(self) -> list[FSDPUnit]:
+        return units_of(self.module)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.sync_model_each_microbatch and torch.is_grad_enabled():
+            # A micro-batch of the current step; the step ends at finish_grad_sync().
+            flags = MicrobatchFlags(is_first=self._next_microbatch_is_first, is_last=False)
+            for unit in self.fsdp_units:
+                unit.enter_microbatch(flags)
+            self._next_microbatch_is_first = False
+        return self.module(*args, **kwargs)
+
+    # -- gradients ------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without reducing them, inside the block."""
+        with self.module.no_sync():
+            yield
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        """Start the reduction of gradients not reduced yet (accumulated under ``no_sync``)."""
+        start_grad_sync(self.fsdp_units)
+
+    def finish_grad_sync(self, *unused: Any) -> None:
+        """Reduce and wait for every gradient; ready for the optimizer step.
+
+        The weights are marked stale (the step will change them), ends the
+        step's micro-batch sequence, and checks for NaN/Inf if asked to.
+        """
+        units = self.fsdp_units
+        finish_grad_sync(units)
+        self._next_microbatch_is_first = True
+        if self.check_for_nan_in_grad:
+            check_grads_finite(named_sharded_parameters(units, self.module))
+
+    def zero_grad_buffer(self) -> None:
+        """Zero all gradients: unreduced accumulation buffers and the reduced sharded ``.grad``."""
+        discard_grad_buffers(self.fsdp_units)
+        self._next_microbatch_is_first = True
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply every gradient (reduced or still accumulating) by ``scaling_factor``."""
+        scale_grads(self.fsdp_units, float(scaling_factor))
+
+    # -- weights ----------------------------------------------------------------
+    def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
+        """The main weights were updated: install them (refresh compute copies; re-gather on next use)."""
+        install_weights(self.fsdp_units, eager=True)
+        self._next_microbatch_is_first = True
+
+    def install_optimized_model_weights(self) -> None:
+        """Same as ``start_param_sync()``: make the next forward use the updated main weights."""
+        self.start_param_sync()
+
+    def broadcast_params(self) -> None:
+        """Make every data-parallel replica hold data-parallel rank 0's weights.
+
+        Sharded weights are already one copy split across ``dp_shard``; what is
+        replicated (unsharded groups over ``dp_shard``, groups over ``dp_outer``
+        unless ``outer_dp_sharding_strategy="optim"`` split them) is broadcast
+        from the first rank of its group.
+        """
+        units = self.fsdp_units
+        with torch.no_grad():
+            for unit in units:
+                for group in unit.groups:
+                    if not group.gathers and group.dp.shard_size > 1:
+                        broadcast(group.shard, 0, group.process_group).wait()
+                    # Under outer 'optim' each dp_outer rank holds a different piece: nothing is replicated.
+                    if group.dp.has_outer and group.dp.outer_size > 1 and getattr(group, "outer", None) is None:
+                        broadcast(group.shard, 0, group.dp.outer_group).wait()
+        install_weights(units, eager=False)
+
+    def stop_communication(self) -> None:
+        """Wait for every reduction and all-gather in flight (before a checkpoint or exit)."""
+        stop_communication(self.fsdp_units)
+
+    # -- helpers ----------------------------------------------------------------
+    def sharded_parameters(self) -> list[nn.Parameter]:
+        """The sharded (DTensor) parameters the optimizer steps, whatever is installed now."""
+        return sharded_parameters(self.module)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm (all shards, all replicas) to ``max_norm``; return it."""
+        return clip_grad_norm_(self.module, max_norm, norm_type)
+
+    def extra_repr(self) -> str:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        sync = self.sync_model_each_microbatch
+        return f"units={len(self.fsdp_units)}, world={world}, sync_model_each_microbatch={sync}"

@@ -1,0 +1,125 @@
+"""fully_shard_model's option handling that needs no process group: names, rejections, unit classes, docs."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from megatron_fsdp.fully_shard import fully_shard
+from megatron_fsdp.fully_shard_model import (
+    _REJECTED,
+    FULLY_SHARD_MODEL_OPTIONS,
+    MegatronPrecisionPolicy,
+    fully_shard_model,
+    precision_policy,
+    resolve_unit_modules,
+)
+from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
+
+DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "options.md")
+
+# Every option the reference README (shared/seeds/003) names for fully_shard_model / fully_shard.
+README_OPTIONS = (
+    "fsdp_unit_modules", "device_mesh", "dp_shard_dim", "dp_outer_dim", "tp_dim", "hybrid_fsdp_group",
+    "expt_device_mesh", "zero_dp_strategy", "outer_dp_sharding_strategy", "init_model_with_meta_device",
+    "grad_reduce_in_fp32", "preserve_fp32_weights", "overlap_grad_reduce", "overlap_param_gather",
+    "sync_model_each_microbatch", "preproc_state_dict_for_dcp_ckpt", "enable_fine_grained_param_gather",
+    "keep_fp8_transpose_cache", "nccl_ub", "fsdp_manual_registration", "disable_symmetric_registration",
+    "fsdp_double_buffer", "device",
+)
+
+
+def test_every_readme_option_is_accepted() -> None:
+    missing = [name for name in README_OPTIONS if name not in FULLY_SHARD_MODEL_OPTIONS]
+    assert not missing, missing
+
+
+def test_every_option_is_documented_with_a_status() -> None:
+    with open(DOCS) as f:
+        text = f.read()
+    rows = dict(re.findall(r"^\| `(\w+)` \|[^|]*\| \*\*(\w+)", text, flags=re.M))
+    assert set(rows) == set(FULLY_SHARD_MODEL_OPTIONS), set(rows) ^ set(FULLY_SHARD_MODEL_OPTIONS)
+    assert set(rows.values()) <= {"implemented", "mapped", "rejected", "validated", "native"}, set(rows.values())
+    for name in _REJECTED:
+        assert rows[name] == "rejected", name
+
+
+@pytest.mark.parametrize("name", sorted(_REJECTED))
+def test_rejected_option_says_why(name: str) -> None:
+    with pytest.raises(NotImplementedError) as info:
+        fully_shard_model(nn.Linear(2, 2), **{name: True})
+    message = str(info.value)
+    assert f"{name}=True" in message and _REJECTED[name] in message
+    assert len(_REJECTED[name]) > 60, "the reason must say why, not just 'unsupported'"
+
+
+def test_rejected_options_off_are_not_an_error_before_the_mesh() -> None:
+    # With every rejected option False the call proceeds to the mesh (which needs torch.distributed).
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fully_shard_model(nn.Linear(2, 2), **{name: False for name in _REJECTED})
+
+
+def test_expert_mesh_is_rejected_with_reason() -> None:
+    with pytest.raises(NotImplementedError, match="expert-parallel sharding"):
+        fully_shard_model(nn.Linear(2, 2), expt_device_mesh=object())
+
+
+def test_unknown_option_is_named_with_suggestion_and_valid_list() -> None:
+    with pytest.raises(TypeError) as info:
+        fully_shard_model(nn.Linear(2, 2), overlap_grad_reduc=True)
+    message = str(info.value)
+    assert "'overlap_grad_reduc' (did you mean 'overlap_grad_reduce'?)" in message
+    assert "valid options:" in message and "zero_dp_strategy" in message and "nccl_ub" in message
+
+
+def test_flags_must_be_bool() -> None:
+    with pytest.raises(TypeError, match="grad_reduce_in_fp32 must be True or False"):
+        fully_shard_model(nn.Linear(2, 2), grad_reduce_in_fp32="yes")
+
+
+def test_unit_module_resolution() -> None:
+    assert resolve_unit_modules([nn.Linear, "torch.nn.LayerNorm"]) == (nn.Linear, nn.LayerNorm)
+    assert resolve_unit_modules(nn.Linear) == (nn.Linear,)
+    assert resolve_unit_modules(None) == ()
+    with pytest.raises(ValueError, match="'torch.nn.NoSuchLayer'.*has no attribute 'NoSuchLayer'"):
+        resolve_unit_modules(["torch.nn.NoSuchLayer"])
+    with pytest.raises(ValueError, match="'nopkg_xyz.Layer': cannot import module 'nopkg_xyz'"):
+        resolve_unit_modules(["nopkg_xyz.Layer"])
+    with pytest.raises(ValueError, match="'Linear' is not an import path"):
+        resolve_unit_modules(["Linear"])
+    with pytest.raises(TypeError, match="'torch.cat' is not an nn.Module subclass"):
+        resolve_unit_modules(["torch.cat"])
+    # Errors name the entry before any process group is needed.
+    with pytest.raises(ValueError, match="'torch.nn.NoSuchLayer'"):
+        fully_shard_model(nn.Linear(2, 2), fsdp_unit_modules=["torch.nn.NoSuchLayer"])
+
+
+def test_precision_flags_map_to_policy() -> None:
+    bf16, fp32 = torch.bfloat16, torch.float32
+    default = precision_policy(preserve_fp32_weights=True, grad_reduce_in_fp32=False)
+    assert isinstance(default, MixedPrecisionPolicy) and isinstance(default, MegatronPrecisionPolicy)
+    # (compute, main, main grad, grad comm) for a bf16-built parameter
+    assert default.dtypes_for(bf16) == (bf16, fp32, fp32, bf16)
+    assert default.dtypes_for(fp32) == (fp32, fp32, fp32, fp32)
+    assert precision_policy(preserve_fp32_weights=True, grad_reduce_in_fp32=True).dtypes_for(bf16) == (
+        bf16, fp32, fp32, fp32)
+    assert precision_policy(preserve_fp32_weights=False, grad_reduce_in_fp32=False).dtypes_for(bf16) == (
+        bf16, bf16, bf16, bf16)
+    assert default.dtypes_for(torch.int64) == (torch.int64,) * 4
+
+
+def test_fully_shard_dispatch_errors_before_any_process_group() -> None:
+    # A whole-model keyword selects the whole-model form; its unknown options are named with both forms' names.
+    with pytest.raises(TypeError, match=r"'zero_stratgy' \(did you mean 'zero_dp_strategy'\?\).*sharding_strategy"):
+        fully_shard(nn.Linear(2, 2), zero_stratgy=3)
+    # A typo of a per-module keyword is caught the same way instead of silently switching forms.
+    with pytest.raises(TypeError, match=r"'reshard_after_forwrd' \(did you mean 'reshard_after_forward'\?\)"):
+        fully_shard(nn.Linear(2, 2), reshard_after_forwrd=False)
+    with pytest.raises(TypeError, match="second argument must be a torch.optim.Optimizer"):
+        fully_shard(nn.Linear(2, 2), "adam")
+    with pytest.raises(TypeError, match=r"mesh= belongs to the per-module form \(use device_mesh=...\)"):
+        fully_shard(nn.Linear(2, 2), mesh=object(), fsdp_unit_modules=[nn.Linear])
