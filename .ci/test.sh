@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash .ci/setup.sh
-.venv/bin/ruff check megatron_fsdp tests examples benchmarks
+.venv/bin/ruff check megatron_fsdp megatron tests examples benchmarks tools pretrain_gpt.py
 .venv/bin/python -m pytest -q tests "$@"

@@ -1,0 +1,225 @@
+"""Command-line arguments with Megatron-LM's flag names, defaults and validation rules.
+
+``parse_args(argv)`` returns an ``argparse.Namespace`` whose attribute names are
+Megatron's (``args.data_parallel_sharding_strategy`` ...). ``validate_args``
+derives what Megatron derives (gradient-accumulation steps, FFN size, the
+DDP config) and rejects combinations with Megatron-style messages; it needs the
+data-parallel world size, so it runs after ``torch.distributed`` is up.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from .tokenizer import TOKENIZER_TYPES
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model-provider", choices=("gpt", "mcore"), default="gpt",
+                   help="gpt: the plain-PyTorch GPT of megatron/training; mcore: megatron-core's GPTModel (CUDA)")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 * hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-query-groups", type=int, default=None, help="grouped-query attention; default: heads")
+    g.add_argument("--group-query-attention", action="store_true", help="accepted for Megatron compatibility")
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer / mock data vocabulary size")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+
+
+def _training_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch * data-parallel size")
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip; 0 disables")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true", help="not supported: use --bf16")
+    g.add_argument("--calculate-per-token-loss", action="store_true")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--eval-interval", type=int, default=None, help="default: no evaluation")
+    g.add_argument("--eval-iters", type=int, default=2)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--distributed-backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="auto: nccl when CUDA is available, else gloo")
+    g.add_argument("--deterministic-mode", action="store_true", help="torch.use_deterministic_algorithms(True)")
+
+
+def _data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-path", nargs="*", default=None)
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="NullTokenizer")
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--num-workers", type=int, default=0)
+
+
+def _fsdp_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("distributed / megatron-fsdp")
+    g.add_argument("--use-megatron-fsdp", action="store_true")
+    g.add_argument("--use-custom-fsdp", action="store_true", help="deprecated alias of --use-megatron-fsdp")
+    g.add_argument("--data-parallel-sharding-strategy", choices=STRATEGIES, default="no_shard")
+    g.add_argument("--outer-dp-sharding-strategy", choices=("no_shard", "optim"), default="no_shard")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--ddp-average-in-collective", action="store_true")
+    g.add_argument("--init-model-with-meta-device", action="store_true")
+    g.add_argument("--fsdp-double-buffer", action="store_true")
+    g.add_argument("--use-nccl-ub", action="store_true")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true")
+    g.add_argument("--ckpt-format", choices=("torch_dist", "torch", "fsdp_dtensor"), default="torch_dist")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true")
+    g.add_argument("--exit-interval", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Megatron-style GPT pre-training on megatron_fsdp (see docs/megatron.md)",
+        allow_abbrev=False,
+    )
+    for add in (_model_args, _training_args, _data_args, _fsdp_args):
+        add(parser)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse Megatron-LM flags (no validation that needs the process group)."""
+    return build_parser().parse_args(argv)
+
+
+class ArgumentError(ValueError):
+    """A flag combination Megatron would reject."""
+
+
+def _fail(message: str) -> None:
+    raise ArgumentError(message)
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Derive Megatron's computed arguments and reject invalid combinations (in place)."""
+    args.world_size = world_size
+    args.data_parallel_size = world_size  # no tensor/pipeline parallelism in this front-end
+    if args.use_custom_fsdp:
+        args.use_megatron_fsdp = True
+    if args.fp16:
+        _fail("--fp16 is not supported by this front-end; use --bf16")
+    for flag, value in (("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size),
+                        ("--num-attention-heads", args.num_attention_heads), ("--seq-length", args.seq_length),
+                        ("--micro-batch-size", args.micro_batch_size), ("--train-iters", args.train_iters),
+                        ("--log-interval", args.log_interval)):
+        if value is None or value <= 0:
+            _fail(f"{flag} must be positive, got {value}")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        _fail(f"--seq-length ({args.seq_length}) must be <= --max-position-embeddings "
+              f"({args.max_position_embeddings})")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    _validate_batch(args)
+    _validate_fsdp(args)
+    _validate_data_and_checkpoints(args)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.min_lr > args.lr:
+        _fail(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    args.params_dtype = "bfloat16" if args.bf16 else "float32"
+    return args
+
+
+def _validate_batch(args: argparse.Namespace) -> None:
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step:
+        _fail(f"--global-batch-size ({args.global_batch_size}) must be divisible by --micro-batch-size "
+              f"({args.micro_batch_size}) times the data-parallel size ({args.data_parallel_size})")
+    args.num_microbatches = args.global_batch_size // per_step
+
+
+def _validate_fsdp(args: argparse.Namespace) -> None:
+    instances = args.num_distributed_optimizer_instances
+    if instances < 1 or args.data_parallel_size % instances:
+        _fail(f"--num-distributed-optimizer-instances ({instances}) must divide the data-parallel size "
+              f"({args.data_parallel_size})")
+    if not args.use_megatron_fsdp:
+        for flag, on in (("--data-parallel-sharding-strategy", args.data_parallel_sharding_strategy != "no_shard"),
+                         ("--outer-dp-sharding-strategy", args.outer_dp_sharding_strategy != "no_shard"),
+                         ("--init-model-with-meta-device", args.init_model_with_meta_device),
+                         ("--fsdp-double-buffer", args.fsdp_double_buffer),
+                         ("--ckpt-format fsdp_dtensor", args.ckpt_format == "fsdp_dtensor"),
+                         ("--num-distributed-optimizer-instances > 1", instances > 1)):
+            if on:
+                _fail(f"{flag} requires --use-megatron-fsdp")
+        if args.use_distributed_optimizer:
+            _fail("--use-distributed-optimizer without --use-megatron-fsdp (Megatron's own distributed "
+                  "optimizer) is not provided by this front-end; add --use-megatron-fsdp "
+                  "--data-parallel-sharding-strategy optim for the same ZeRO-1 behaviour")
+        return
+    if args.model_provider == "mcore" and args.distributed_backend == "gloo":
+        _fail("--model-provider mcore needs CUDA (NCCL); megatron-core's GPTModel does not run on gloo/CPU")
+    if args.outer_dp_sharding_strategy != "no_shard" and instances == 1:
+        _fail("--outer-dp-sharding-strategy optim requires --num-distributed-optimizer-instances > 1 (HSDP)")
+    if args.outer_dp_sharding_strategy == "optim" and args.data_parallel_sharding_strategy != "optim_grads_params":
+        _fail("--outer-dp-sharding-strategy optim requires --data-parallel-sharding-strategy optim_grads_params")
+    if args.ckpt_format not in ("fsdp_dtensor",) and (args.save or args.load):
+        _fail(f"Megatron-FSDP only supports the fsdp_dtensor checkpoint format; got --ckpt-format "
+              f"{args.ckpt_format}. Pass --ckpt-format fsdp_dtensor")
+    if args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32:
+        _fail("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are mutually exclusive")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        _fail("--grad-reduce-in-bf16 requires --bf16")
+    if args.use_nccl_ub:
+        _fail("--use-nccl-ub is not supported by megatron_fsdp: NCCL user-buffer registration needs persistent "
+              "registered buffers, and ours are pooled per use (see docs/options.md)")
+    if args.fsdp_double_buffer:
+        _fail("--fsdp-double-buffer is not supported by megatron_fsdp: persistent double buffers serve NCCL user "
+              "buffers; memory is bounded by the prefetch depth instead (see docs/options.md)")
+
+
+def _validate_data_and_checkpoints(args: argparse.Namespace) -> None:
+    if not args.mock_data and not args.data_path:
+        _fail("give --data-path PREFIX (Megatron .bin/.idx dataset) or --mock-data")
+    if args.mock_data and args.data_path:
+        _fail("--mock-data and --data-path are mutually exclusive")
+    if args.save_interval is not None and args.save_interval <= 0:
+        _fail(f"--save-interval must be positive, got {args.save_interval}")
+    if args.save_interval is not None and not args.save:
+        _fail("--save-interval requires --save DIR")
+    if args.eval_interval is not None and args.eval_interval <= 0:
+        _fail(f"--eval-interval must be positive, got {args.eval_interval}")

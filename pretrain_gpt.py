@@ -1,0 +1,60 @@
+"""Pre-train a GPT with Megatron-LM's flags on megatron_fsdp (or DDP without --use-megatron-fsdp).
+
+    torchrun --nproc-per-node 2 pretrain_gpt.py --mock-data --vocab-size 128 \\
+        --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params
+
+See docs/megatron.md for every flag.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.training.global_vars import get_args
+from megatron.training.gpt_model import GPTConfig, GPTModel
+from megatron.training.training import pretrain
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True) -> nn.Module:
+    """The GPT the flags describe: plain PyTorch (``--model-provider gpt``) or megatron-core's (``mcore``)."""
+    args = get_args()
+    if args.model_provider == "mcore":
+        from megatron.training.mcore_model import mcore_gpt_model
+
+        return mcore_gpt_model(args, pre_process, post_process)
+    return GPTModel(GPTConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        vocab_size=args.padded_vocab_size, max_position_embeddings=args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type, normalization=args.normalization,
+        swiglu=args.swiglu, untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        init_method_std=args.init_method_std, attention_dropout=args.attention_dropout,
+        hidden_dropout=args.hidden_dropout, rotary_base=args.rotary_base,
+    ))
+
+
+def forward_step(batch: dict, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token losses of one micro-batch and the mask of tokens that count."""
+    if get_args().model_provider == "mcore":  # megatron-core's forward takes an attention mask (causal: None)
+        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    else:
+        losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    return losses, batch["loss_mask"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    pretrain(model_provider, forward_step, argv)
+    # Finished gloo work freed at interpreter exit can abort the process; collect it first.
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,102 @@
+"""Run the functional configurations in one spawned gloo group per world size; regenerate golden values.
+
+    python -m tests.functional.runner --regenerate     # rewrite golden_values.json (review the diff!)
+    python -m tests.functional.runner                  # print each run's losses
+
+Running many short jobs inside one process group (``pretrain`` reuses an
+initialised group) keeps the CI cost to one process launch per world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import io
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden_values.json")
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str) -> None:
+    sys.path.insert(0, ROOT)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
+    from megatron.training.training import pretrain
+    from pretrain_gpt import forward_step, model_provider
+    from tests.functional.configs import by_world_size
+
+    results = {}
+    for config in by_world_size(world_size):
+        log = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(log):
+                run = pretrain(model_provider, forward_step, config.argv(ckpt_root))
+            results[config.name] = {
+                "lm loss": {str(k): v for k, v in sorted(run.losses.items())},
+                "grad norm": {str(k): v for k, v in sorted(run.grad_norms.items())},
+                "log": log.getvalue(),
+            }
+        except Exception:
+            results[config.name] = {"error": traceback.format_exc(), "log": log.getvalue()}
+        dist.barrier()
+    if rank == 0:
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(results, f)
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def run_world(world_size: int, ckpt_root: str) -> dict:
+    """All configurations of ``world_size``: {name: {"lm loss": {iter: value}, "grad norm": ..., "log": str}}.
+
+    Checkpoints go under ``ckpt_root`` (run world size 2 first: 4-rank configs resume its checkpoint).
+    """
+    from tests.distributed.harness import free_port
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            mp.start_processes(_worker, args=(world_size, free_port(), out_dir, ckpt_root), nprocs=world_size,
+                               start_method="spawn", join=True)
+        except mp.ProcessExitedException:
+            if not os.path.exists(os.path.join(out_dir, "results.json")):
+                raise
+        with open(os.path.join(out_dir, "results.json")) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--regenerate", action="store_true", help=f"rewrite {GOLDEN}")
+    parser.add_argument("--world-sizes", type=int, nargs="*", default=[2, 4])
+    args = parser.parse_args()
+    sys.path.insert(0, ROOT)
+    golden = {}
+    ckpt_root = tempfile.mkdtemp(prefix="functional-ckpt-")
+    for world_size in sorted(args.world_sizes):
+        for name, result in run_world(world_size, ckpt_root).items():
+            if "error" in result:
+                raise SystemExit(f"{name} failed:\n{result['error']}")
+            golden[name] = {"lm loss": result["lm loss"], "grad norm": result["grad norm"]}
+            print(name, " ".join(f"{v:.6f}" for v in result["lm loss"].values()))
+    if args.regenerate:
+        with open(GOLDEN, "w") as f:
+            json.dump({"_about": "tests/functional golden values: python -m tests.functional.runner --regenerate; "
+                                 "torch 2.13.0 CPU, gloo, 1 thread per rank", **golden}, f, indent=1, sort_keys=True)
+        print(f"wrote {GOLDEN}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Functional regression: tiny GPT runs of pretrain_gpt.py against golden values and the DDP baseline.
+
+Tolerances (relative, per iteration): fp32 runs 1e-5 against their golden
+values and against DDP (the same deterministic computation up to the order of
+floating-point sums in the gradient norm); bf16 runs 1e-2; a run resumed at
+the same world size must equal the uninterrupted run exactly. Regenerate the
+golden values with ``python -m tests.functional.runner --regenerate``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed.harness import free_port
+from tests.functional.configs import CONFIGS
+from tests.functional.runner import GOLDEN, ROOT, run_world
+
+WORLD_SIZES = sorted({c.world_size for c in CONFIGS.values()})
+
+
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("functional-ckpt"))
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES)  # 2 before 4: the 4-rank group resumes a 2-rank checkpoint
+def runs(request, ckpt_root):
+    return request.param, run_world(request.param, ckpt_root)
+
+
+@pytest.fixture(scope="module")
+def golden():
+    with open(GOLDEN) as f:
+        return json.load(f)
+
+
+def _close(a: float, b: float, rtol: float) -> bool:
+    return a == b if rtol == 0 else math.isclose(a, b, rel_tol=rtol, abs_tol=rtol * 1e-3)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_config(runs, golden, name):
+    world_size, results = runs
+    config = CONFIGS[name]
+    if config.world_size != world_size:
+        pytest.skip(f"{name} runs at world size {config.world_size}")
+    result = results[name]
+    assert "error" not in result, result["error"] + "\n" + result["log"]
+    losses = {int(k): v for k, v in result["lm loss"].items()}
+    assert sorted(losses) == list(range(config.first_iteration, config.last_iteration + 1)), sorted(losses)
+    assert " iteration " in result["log"] and "lm loss:" in result["log"], result["log"]
+    if name in golden:
+        expected = golden[name]
+        for key in ("lm loss", "grad norm"):
+            for it, value in result[key].items():
+                assert _close(value, expected[key][it], config.rtol), (
+                    f"{name} {key} at iteration {it}: {value!r} vs golden {expected[key][it]!r} (rtol {config.rtol})")
+    else:
+        pytest.fail(f"no golden values for {name}: run python -m tests.functional.runner --regenerate")
+    if config.baseline is not None:
+        base = results.get(config.baseline) or golden[config.baseline]
+        base = {int(k): v for k, v in base["lm loss"].items()}
+        for it, value in losses.items():
+            assert _close(value, base[it], config.rtol), (
+                f"{name} vs {config.baseline} at iteration {it}: {value!r} vs {base[it]!r} (rtol {config.rtol})")
+    if config.first_iteration == 1 and config.last_iteration >= 16:
+        assert losses[16] < losses[1] - 0.3, f"{name}: loss did not fall: {losses}"
+
+
+def test_command_line_main_job(tmp_path):
+    """The README's main job, shortened: torchrun, 2 gloo ranks, ZeRO-3, Megatron log lines."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           os.path.join(ROOT, "pretrain_gpt.py"), "--mock-data", "--vocab-size", "60", "--num-layers", "1",
+           "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16", "--train-iters", "3",
+           "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+           "--ckpt-format", "fsdp_dtensor", "--save", str(tmp_path / "ckpt")]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line for line in out.stdout.splitlines() if " iteration " in line and "lm loss:" in line]
+    assert len(lines) == 3, out.stdout
+    assert "| consumed samples:            4 |" in lines[0] and "| global batch size:     4 |" in lines[0], lines[0]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--mock-data", "--vocab-size",
+                          "60", "--ckpt-format", "fsdp_dtensor"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "--ckpt-format fsdp_dtensor requires --use-megatron-fsdp" in bad.stderr, bad.stderr
+
+
+def test_indexed_dataset_end_to_end(tmp_path):
+    """tools/preprocess_data.py writes a Megatron dataset; pretrain_gpt.py trains on it (--data-path, eval)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "abcdefgh" * (3 + i % 5)}) + "\n"
+                              for i in range(60)))
+    prefix = tmp_path / "corpus"
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", str(corpus),
+                    "--output-prefix", str(prefix), "--tokenizer-type", "ByteTokenizer", "--json-keys", "text",
+                    "--append-eod", "--workers", "1"], cwd=ROOT, check=True, capture_output=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--data-path", f"{prefix}_text_document",
+         "--split", "90,10,0", "--tokenizer-type", "ByteTokenizer", "--num-layers", "1", "--hidden-size", "32",
+         "--num-attention-heads", "2", "--seq-length", "32", "--train-iters", "6", "--eval-interval", "3",
+         "--eval-iters", "1", "--lr", "3e-3", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in out.stdout.splitlines()
+              if " iteration " in line and "lm loss:" in line]
+    assert len(losses) == 6 and losses[-1] < losses[0], out.stdout
+    assert out.stdout.count("validation loss at iteration") == 2, out.stdout
