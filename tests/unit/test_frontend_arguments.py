@@ -38,6 +38,8 @@ def test_derived_values():
     (["--use-megatron-fsdp", "--fsdp-double-buffer"], "--fsdp-double-buffer is not supported by megatron_fsdp"),
     (["--seq-length", "80", "--max-position-embeddings", "64"], "--seq-length (80) must be <= "),
     (["--fp16"], "use --bf16"),
+    (["--use-megatron-fsdp", "--model-provider", "mcore", "--distributed-backend", "gloo"],
+     "--model-provider mcore needs CUDA"),
     (["--save-interval", "5"], "--save-interval requires --save"),
     (["--use-distributed-optimizer"], "add --use-megatron-fsdp --data-parallel-sharding-strategy optim"),
 ])
