@@ -82,18 +82,24 @@ def train_with_microbatches(model: nn.Module, steps: int, k: int, use_context: b
     return calls
 
 
-@check(SUITE)
-def microbatch_parity_and_collective_counts() -> None:
-    rank, n = world()
-    k, steps = 3, 3
-    torch.manual_seed(0)
-    base = Net()
+def single_process_adamw(base: nn.Module, steps: int, n: int, k: int) -> nn.Module:
+    """``base`` trained in one process on each step's whole global batch (``k`` micro-batches per rank)."""
     single = copy.deepcopy(base)
     opt = torch.optim.AdamW(single.parameters(), lr=1e-2)
     for step in range(steps):
         loss_fn(single, global_batch(step, n, per_rank=2 * k)).backward()
         opt.step()
         opt.zero_grad()
+    return single
+
+
+@check(SUITE)
+def microbatch_parity_and_collective_counts() -> None:
+    rank, n = world()
+    k, steps = 3, 3
+    torch.manual_seed(0)
+    base = Net()
+    single = single_process_adamw(base, steps, n, k)
     for strategy in STRATEGIES:
         model = shard_net(copy.deepcopy(base), strategy)
         calls = train_with_microbatches(model, steps, k, use_context=True)

@@ -26,6 +26,7 @@ from megatron_fsdp.microbatch import microbatch
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.no_shard import fsdp_no_shard
 from megatron_fsdp.ragged_shard import RaggedShard
+from tests.distributed.accumulation_checks import single_process_adamw
 from tests.distributed.engine_checks import assert_close_params, expect_error, world
 from tests.distributed.harness import check, shared_tmpdir
 
@@ -240,12 +241,7 @@ def microbatch_and_no_sync_accumulation() -> None:
     k, steps = 3, 2
     torch.manual_seed(0)
     base = Net()
-    single = copy.deepcopy(base)
-    opt = torch.optim.AdamW(single.parameters(), lr=1e-2)
-    for step in range(steps):
-        loss_fn(single, global_batch(step, n, per_rank=2 * k)).backward()
-        opt.step()
-        opt.zero_grad()
+    single = single_process_adamw(base, steps, n, k)
     for strategy in INNER:
         model = shard_outer_optim(copy.deepcopy(base), strategy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
