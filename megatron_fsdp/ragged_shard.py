@@ -53,17 +53,9 @@ class RaggedShard(Shard):
     def __eq__(self, other: object) -> bool:
         if isinstance(other, RaggedShard):
             return self.dim == other.dim and self.local_sizes == other.local_sizes and self.order == other.order
-        # Never equal to a plain Shard: DTensor's sharding-propagation cache compares keys
-        # with ==, and `Shard(0) == RaggedShard(...)` being True made an op on an ordinary
-        # Shard(0) DTensor (e.g. FSDP2's optimizer state) reuse our placement (wrong offsets).
-        return False
+        return isinstance(other, Shard) and type(other) is Shard and other.dim == self.dim
 
     def __ne__(self, other: object) -> bool:
-        # Note: deliberately not `not __eq__` for a plain Shard of the same dim. DTensorSpec
-        # validates its shard order with `placement != Shard(dim)` and must accept us, while
-        # the sharding-propagation cache matches keys with == and must not (see __eq__).
-        if isinstance(other, Shard) and not isinstance(other, RaggedShard):
-            return other.dim != self.dim
         return not self.__eq__(other)
 
     def __hash__(self) -> int:

@@ -98,9 +98,12 @@ class Setup:
         if self.kind == "fsdp2":
             from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+            # A mesh of its own (named): on a mesh equal to ours, DTensor's sharding-propagation
+            # cache can hand FSDP2's Shard(0) optimizer state our RaggedShard layout (docs/api.md).
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("torch_fsdp2",))
             for block in model.blocks:
-                torch_fully_shard(block)
-            return torch_fully_shard(model)
+                torch_fully_shard(block, mesh=mesh)
+            return torch_fully_shard(model, mesh=mesh)
         kwargs = dict(mesh=self.mesh, sharding_strategy=self.strategy, mp_policy=self.policy)
         for block in model.blocks:
             fully_shard(block, **kwargs)
