@@ -8,6 +8,7 @@ parallel size, so training must match single-process training over the same step
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -111,8 +112,14 @@ class Setup:
         return fully_shard(model, **kwargs)
 
 
+@functools.cache
 def sub_mesh(size: int) -> DeviceMesh:
-    """A 1-D mesh over ranks 0..size-1 (every rank must call: it creates process groups)."""
+    """A 1-D mesh over ranks 0..size-1 (every rank must call: it creates process groups).
+
+    Cached: a rank of the 2-rank group crashed (SIGSEGV / lost peer) in the case right
+    after one that used a freshly made 1-rank sub-group, at random; keeping each group
+    alive for the whole suite avoids destroying gloo groups mid-run.
+    """
     if size == dist.get_world_size():
         return init_device_mesh("cpu", (size,))
     return DeviceMesh("cpu", torch.arange(size))
