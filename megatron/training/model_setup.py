@@ -60,13 +60,8 @@ def build_model(args: argparse.Namespace, model_provider: Callable[..., nn.Modul
         model.to(device)
     from megatron_fsdp.mcore import FullyShardedDataParallel
 
-    return FullyShardedDataParallel(args, ddp_config_from_args(args), model, fsdp_unit_modules=_unit_modules(model))
-
-
-def _unit_modules(model: nn.Module) -> list[type]:
-    from .gpt_model import TransformerLayer
-
-    return [TransformerLayer]
+    # Units: the adapter's default, the model's TransformerLayer class (ours or megatron-core's).
+    return FullyShardedDataParallel(args, ddp_config_from_args(args), model)
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -1,8 +1,6 @@
 """CUDA/NCCL at world size 1: the engine's GPU path. Skips cleanly without a GPU."""
 
 import copy
-import os
-import socket
 
 import pytest
 import torch
@@ -10,18 +8,6 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(),
                                 reason="needs a CUDA GPU and NCCL")
-
-
-@pytest.fixture(scope="module")
-def nccl_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads", "optim", "no_shard"])

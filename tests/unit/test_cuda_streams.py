@@ -1,7 +1,5 @@
 """CUDA side streams and the buffer pool's stream events at world size 1. Skips cleanly without a GPU."""
 
-import os
-import socket
 
 import pytest
 import torch
@@ -9,21 +7,6 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(),
                                 reason="needs a CUDA GPU and NCCL")
-
-
-@pytest.fixture(scope="module")
-def nccl_group():
-    if dist.is_initialized():  # another CUDA test module of this session made one
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_collectives_run_from_side_streams_and_order_after_producers(nccl_group):

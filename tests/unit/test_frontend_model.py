@@ -86,19 +86,12 @@ def test_schedule(style):
     assert opt.param_groups[0]["lr"] == lrs[-1]
 
 
-def test_mcore_provider_builds_megatron_core_gpt():
+def test_mcore_provider_builds_megatron_core_gpt(nccl_group):
     """--model-provider mcore: megatron-core's GPTModel (runs only where megatron-core and CUDA are)."""
     pytest.importorskip("megatron.core", reason="megatron-core is not on this environment's path")
-    if not torch.cuda.is_available():
-        pytest.skip("--model-provider mcore needs CUDA")
-    import torch.distributed as dist
-
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.mcore_model import mcore_gpt_model
 
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
-    torch.cuda.set_device(0)
     args = validate_args(parse_args(["--mock-data", "--vocab-size", "63", "--model-provider", "mcore",
                                      "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]), 1)
     args.padded_vocab_size = 64
