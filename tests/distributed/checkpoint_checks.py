@@ -478,6 +478,9 @@ def save_is_atomic() -> None:
         expect_error(Exception, "", save_state, other, model, opt, before_commit=crash)
         dist.barrier()
         leftovers = [name for name in os.listdir(root) if name != "ckpt"]
+        # Every rank lists before rank 0 makes the next save's hidden directory: without
+        # this barrier a slow rank saw it, failed alone and left the others hanging.
+        dist.barrier()
         assert not os.path.exists(other) and leftovers == [], leftovers
         # a crash while replacing an existing checkpoint keeps the old one intact
         expect_error(Exception, "", save_state, target, model, opt, before_commit=crash)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import gc
 import json
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Iterator
@@ -23,6 +25,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 CHECKS: dict[str, list[tuple[str, Callable[[], None]]]] = {}
+# A check still running after this long prints every thread's stack (to the
+# test's captured stderr) before gloo's 120 s timeout turns a hang into a bare
+# "Application timeout" with no trace of where each rank was.
+WATCHDOG_S = 90
 
 
 def check(suite: str, world_sizes: tuple[int, ...] = (2, 4)):
@@ -59,22 +65,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _write_results(out_dir: str, rank: int, results: dict[str, str | None]) -> None:
+    tmp = os.path.join(out_dir, f"rank{rank}.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(results, f)
+    os.replace(tmp, os.path.join(out_dir, f"rank{rank}.json"))
+
+
 def _worker(rank: int, world_size: int, port: int, module: str, suite: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
     __import__(module)  # registers the checks in this process
     results: dict[str, str | None] = {}
-    for name, fn in CHECKS[f"{suite}@{world_size}"]:
+    checks = CHECKS[f"{suite}@{world_size}"]
+    for i, (name, fn) in enumerate(checks):
         try:
+            print(f"[rank {rank}] {suite}: {name}", file=sys.stderr, flush=True)  # shown on failure
             torch.manual_seed(1234)
+            faulthandler.dump_traceback_later(WATCHDOG_S)
             fn()
             results[name] = None
         except Exception:  # reported per check by pytest
             results[name] = traceback.format_exc()
-        dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        _write_results(out_dir, rank, results)  # kept even if this rank dies below
+        try:
+            dist.barrier()
+        except Exception:
+            # A check that failed on some ranks only leaves the others in a collective
+            # that times out and breaks the group: report the checks left unrun and
+            # stop, so pytest shows the failing check's own error, not a lost rank.
+            for later, _ in checks[i + 1:]:
+                results[later] = f"not run: the process group broke after {name!r} (a rank failed or hung there)"
+            _write_results(out_dir, rank, results)
+            os._exit(0)  # the broken group cannot be destroyed cleanly
     # Reference cycles inside torch keep finished gloo work alive; freed at
     # interpreter exit they abort the process ("terminate called without an
     # active exception"). Collect them while the process group still exists.
@@ -87,21 +113,30 @@ def run_suite(module: str, suite: str, world_size: int) -> dict[str, list[str]]:
     # A fixed mmap threshold makes glibc return freed large blocks to the OS at
     # once, so peak-RSS checks measure tensors, not allocator caching.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
+    __import__(module)  # the checks' names, to report any a rank never finished
+    lost = None
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(
                 _worker, args=(world_size, free_port(), module, suite, out_dir), nprocs=world_size,
                 start_method="spawn", join=True,
             )
-        except mp.ProcessExitedException:
+        except mp.ProcessExitedException as exc:
             # A crash at interpreter exit, after every rank wrote its results (a
-            # PyTorch/gloo shutdown issue, see docs/api.md), does not void them.
-            if not all(os.path.exists(os.path.join(out_dir, f"rank{r}.json")) for r in range(world_size)):
-                raise
+            # PyTorch/gloo shutdown issue, see docs/api.md), does not void them;
+            # checks a dead rank never reported fail below with its exit reason.
+            lost = str(exc)
         per_rank = []
         for r in range(world_size):
-            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-                per_rank.append(json.load(f))
+            path = os.path.join(out_dir, f"rank{r}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    per_rank.append(json.load(f))
+            else:
+                per_rank.append({})
+    for results in per_rank:
+        for name in names(suite, world_size):
+            results.setdefault(name, f"not reported: the rank died ({lost or 'no results written'})")
     failures: dict[str, list[str]] = {}
     for r, results in enumerate(per_rank):
         for name, error in results.items():
