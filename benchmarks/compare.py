@@ -93,9 +93,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per implementation")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--impls", default="megatron_fsdp,fsdp2,ddp")
-    p.add_argument("--pool", choices=("keep", "release", "off"), default="keep",
+    p.add_argument("--pool", choices=("keep", "release", "off"), default="off",
                    help="megatron_fsdp's buffer pool (opt-in in the library): keep its memory between steps, "
-                        "release it after backward, or off (plain allocations)")
+                        "release it after backward, or off (plain allocations, the library's default)")
+    p.add_argument("--gloo-paths", choices=("on", "off"), default="on",
+                   help="megatron_fsdp's gloo fast paths (collectives.gloo_fast_paths, on by default): "
+                        "off measures plain all-gather/reduce-scatter")
     return p.parse_args()
 
 
@@ -234,6 +237,7 @@ def main() -> None:
     count_torch_collectives()
     default_pool().keep_between_steps = args.pool == "keep"
     default_pool().wanted = args.pool != "off"
+    megatron_fsdp.collectives.gloo_fast_paths = args.gloo_paths == "on"
     torch.manual_seed(0)
     base = GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq)
     n_params = sum(p.numel() for p in base.parameters())

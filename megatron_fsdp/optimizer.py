@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .grad_norm import check_grads_finite
+from .local_step import on_local_shards, steppable_locally
 from .megatron_fsdp import (
     discard_grad_buffers,
     finish_grad_sync,
@@ -55,6 +56,7 @@ def fully_shard_optimizer(
     *,
     preproc_state_dict_for_dcp_ckpt: bool = True,
     check_for_nan_in_grad: bool = False,
+    step_on_local_shards: bool = True,
 ) -> torch.optim.Optimizer:
     """Give ``optimizer`` the FSDP-aware ``step``/``zero_grad`` described in the module docstring.
 
@@ -68,6 +70,10 @@ def fully_shard_optimizer(
         check_for_nan_in_grad: after the gradient sync in ``step``, raise on
             every rank (naming the parameters) if a reduced gradient holds
             NaN/Inf; the optimizer does not step then.
+        step_on_local_shards: run the optimizer's math on the local shards of the
+            DTensor parameters and state (``megatron_fsdp.local_step``): the same
+            numbers bit for bit, without DTensor's per-op dispatch. A parameter's
+            first step, and a step with a closure, use the plain DTensor path.
 
     Returns:
         ``optimizer`` itself (wrapped once; calling again only updates the options).
@@ -85,7 +91,8 @@ def fully_shard_optimizer(
             "megatron_fsdp.fully_shard(model, optimizer, ...)"
         )
     options = {"check_for_nan_in_grad": bool(check_for_nan_in_grad),
-               "preproc_state_dict_for_dcp_ckpt": bool(preproc_state_dict_for_dcp_ckpt)}
+               "preproc_state_dict_for_dcp_ckpt": bool(preproc_state_dict_for_dcp_ckpt),
+               "step_on_local_shards": bool(step_on_local_shards)}
     if getattr(optimizer, _WRAPPED, None) is not None:
         getattr(optimizer, _WRAPPED).update(options)
         return optimizer
@@ -113,7 +120,11 @@ def fully_shard_optimizer(
 
         if closure is None:
             prepare()
-            result = original_step(**kwargs)
+            if getattr(self, _WRAPPED)["step_on_local_shards"] and steppable_locally(self):
+                with on_local_shards(self):
+                    result = original_step(**kwargs)
+            else:
+                result = original_step(**kwargs)
         else:
             def closure_then_sync() -> Any:  # gradients exist only once the closure's backward ran
                 loss = closure()

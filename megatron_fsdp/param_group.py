@@ -366,7 +366,7 @@ class ParamGroup:
         if self.plan.grads:
             # dp_shard's share of the gradients: the main shard, or under outer 'optim' the compute shard.
             output = torch.empty(self.compute_shard.numel(), dtype=buffer.dtype, device=buffer.device)
-            work = reduce_scatter(output, buffer, self.process_group)
+            work = reduce_scatter(output, buffer, self.process_group, input_is_scratch=True)
             return PendingReduce(self, work, output)
         work = all_reduce(buffer, self.process_group)
         n = self.layout.shard_numel

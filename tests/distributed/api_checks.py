@@ -712,3 +712,44 @@ def clip_grad_norm_across_model_parallel_group() -> None:
         ref = dict(single.named_parameters())[name].grad
         if ref is not None:
             torch.testing.assert_close(p.grad.full_tensor(), ref * coef, rtol=1e-5, atol=1e-8, msg=name)
+
+
+@check(SUITE)
+def local_shard_step_equals_dtensor_step_bitwise() -> None:
+    """``step_on_local_shards`` (the default) gives the DTensor step's numbers and state, bit for bit."""
+    rank, n = world()
+    torch.manual_seed(0)
+    base = Net()
+    for strategy in (1, 3):
+        for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)):
+            runs = []
+            for local in (True, False):
+                model = fully_shard_model(copy.deepcopy(base), fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+                opt = fully_shard_optimizer(make(model.parameters()), step_on_local_shards=local)
+                seen: list[bool] = []  # per step: did the optimizer's own step see plain local tensors?
+                opt.register_step_pre_hook(lambda o, *_, seen=seen: seen.append(
+                    not any(isinstance(p, DTensor) for g in o.param_groups for p in g["params"])))
+                for step in range(3):  # step 0 creates the state (plain path), then local steps
+                    loss_fn(model, local_batch(step, rank, n)).backward()
+                    opt.step()
+                    opt.zero_grad()
+                assert seen == ([False, True, True] if local else [False] * 3), (strategy, local, seen)
+                runs.append((model, opt))
+            what = f"strategy {strategy} {type(runs[0][1]).__name__}"
+            (fast, fast_opt), (plain, plain_opt) = runs
+            for (name, a), (_, b) in zip(named_sharded_parameters(fast.fsdp_units, fast.module),
+                                         named_sharded_parameters(plain.fsdp_units, plain.module), strict=True):
+                assert torch.equal(a.to_local(), b.to_local()), f"{what}: {name}"
+                state_a, state_b = fast_opt.state[a], plain_opt.state[b]
+                assert state_a.keys() == state_b.keys(), (what, name, state_a.keys(), state_b.keys())
+                for key in state_a:
+                    x, y = state_a[key], state_b[key]
+                    assert type(x) is type(y), f"{what}: {name}.{key} is {type(x).__name__}, not {type(y).__name__}"
+                    if isinstance(x, DTensor):
+                        assert x.placements == y.placements and x.shape == y.shape, (what, name, key)
+                        x, y = x.to_local(), y.to_local()
+                    assert torch.equal(torch.as_tensor(x), torch.as_tensor(y)), f"{what}: {name}.{key}"
+            # the parameters the optimizer holds are the model's sharded DTensors again
+            assert all(isinstance(p, DTensor) for g in fast_opt.param_groups for p in g["params"]), what
+            assert all(p.grad is None for g in fast_opt.param_groups for p in g["params"]), what

@@ -1,0 +1,94 @@
+"""Step an optimizer on the local shards of its DTensor parameters.
+
+A torch optimizer stepping DTensor parameters sends every elementwise op through
+DTensor's Python dispatch (sharding propagation, then the local op). For the
+single-tensor loops torch uses on CPU that is a dozen dispatches per parameter per
+step; on a 6-layer GPT it was ~100 ms of a ~1.3 s CPU step. The optimizer's math
+is elementwise on identically sharded tensors, so running it on the local tensors
+gives bit-for-bit the same numbers without the dispatch.
+
+``on_local_shards(optimizer)`` swaps, for the duration of a ``step``, each DTensor
+parameter in ``param_groups`` for a plain alias of its local shard (same storage)
+carrying the local gradient, and re-keys its state to local aliases of the state's
+DTensors. Afterwards everything is put back: parameters, and state keyed by the
+original parameters holding DTensors (the objects that were there, updated in
+place; a state tensor the optimizer replaced or created is wrapped with the
+parameter's layout). Checkpoints, ``state_dict`` and LR schedulers see no change.
+
+The first step of a parameter (no state yet) runs the plain DTensor step, so its
+state is created exactly as torch creates it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _local_alias(tensor: DTensor) -> torch.Tensor:
+    return tensor._local_tensor.detach()  # shares storage and version counter
+
+
+def _restore(value: Any, param: DTensor, aliased: dict[int, DTensor]) -> Any:
+    """What the state keeps for ``value`` after a local step: a DTensor where it had one."""
+    if id(value) in aliased:  # updated in place: the original DTensor holds the result
+        return aliased[id(value)]
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0 and (
+        value.shape == param._local_tensor.shape
+    ):  # replaced or created by the optimizer: give it the parameter's layout
+        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return value
+
+
+def steppable_locally(optimizer: torch.optim.Optimizer) -> bool:
+    """Every DTensor parameter with a gradient already has optimizer state (not its first step)."""
+    return all(
+        p in optimizer.state and len(optimizer.state[p]) > 0
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if isinstance(p, DTensor) and p.grad is not None
+    )
+
+
+@contextlib.contextmanager
+def on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside, ``optimizer`` refers to local aliases of its DTensor parameters and state."""
+    swapped: list[tuple[dict, int, DTensor, torch.Tensor, dict[str, Any]]] = []
+    aliased: dict[int, DTensor] = {}  # id(local alias) -> the state DTensor it aliases
+    keep_alive: list[torch.Tensor] = []  # the aliases, so their ids stay unique
+    try:
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params):
+                if not isinstance(p, DTensor) or p.dim() == 0:
+                    continue
+                local = _local_alias(p)
+                if p.grad is not None:
+                    local.grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                original = optimizer.state.pop(p, {})
+                state = {}
+                for key, value in original.items():
+                    if isinstance(value, DTensor):
+                        value = _local_alias(value)
+                        aliased[id(value)] = original[key]
+                        keep_alive.append(value)
+                    state[key] = value
+                if state:
+                    optimizer.state[local] = state
+                params[i] = local
+                swapped.append((group, i, p, local, original))
+        yield
+    finally:
+        for group, i, p, local, original in swapped:
+            group["params"][i] = p
+            state = optimizer.state.pop(local, None)
+            if state is not None:
+                optimizer.state[p] = {key: _restore(value, p, aliased) for key, value in state.items()}
+            elif original:
+                optimizer.state[p] = original
+            local.grad = None
