@@ -96,6 +96,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pool", choices=("keep", "release", "off"), default="off",
                    help="megatron_fsdp's buffer pool (opt-in in the library): keep its memory between steps, "
                         "release it after backward, or off (plain allocations, the library's default)")
+    p.add_argument("--local-step", choices=("on", "off"), default="on",
+                   help="megatron_fsdp's fully_shard_optimizer(step_on_local_shards=...), on by default")
+    p.add_argument("--reduces-in-flight", type=int, default=None,
+                   help="megatron_fsdp's limit on gradient reductions in flight (state.MAX_REDUCES_IN_FLIGHT)")
     p.add_argument("--gloo-paths", choices=("on", "off"), default="on",
                    help="megatron_fsdp's gloo fast paths (collectives.gloo_fast_paths, on by default): "
                         "off measures plain all-gather/reduce-scatter")
@@ -125,9 +129,11 @@ def tensor_bytes(tensors) -> int:
 
 
 class Impl:
-    def __init__(self, name: str, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, name: str, model: nn.Module, device: torch.device, local_step: bool = True) -> None:
         self.name, self.model, self.device = name, model, device
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if name == "megatron_fsdp":  # the library's optimizer wrapper, as its docs recommend
+            self.optimizer = megatron_fsdp.fully_shard_optimizer(self.optimizer, step_on_local_shards=local_step)
         self.times: list[float] = []
         self.peaks: list[int] = []
         self.bytes: list[int] = []
@@ -207,7 +213,7 @@ def largest_unit_bytes(model: nn.Module) -> tuple[int, int]:
     return largest, depth
 
 
-def build(name: str, base: nn.Module, device: torch.device) -> Impl:
+def build(name: str, base: nn.Module, device: torch.device, local_step: bool = True) -> Impl:
     model = copy.deepcopy(base).to(device)
     if name == "megatron_fsdp":
         for block in model.blocks:
@@ -223,7 +229,7 @@ def build(name: str, base: nn.Module, device: torch.device) -> Impl:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     else:
         raise ValueError(f"--impls: unknown implementation {name!r}; use megatron_fsdp, fsdp2, ddp")
-    return Impl(name, model, device)
+    return Impl(name, model, device, local_step)
 
 
 def main() -> None:
@@ -238,13 +244,17 @@ def main() -> None:
     default_pool().keep_between_steps = args.pool == "keep"
     default_pool().wanted = args.pool != "off"
     megatron_fsdp.collectives.gloo_fast_paths = args.gloo_paths == "on"
+    if args.reduces_in_flight is not None:
+        from megatron_fsdp import state
+
+        state.MAX_REDUCES_IN_FLIGHT = args.reduces_in_flight
     torch.manual_seed(0)
     base = GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq)
     n_params = sum(p.numel() for p in base.parameters())
     generator = torch.Generator().manual_seed(1 + rank)
     sample = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     activations = activation_bytes(copy.deepcopy(base).to(device), sample.to(device))
-    impls = [build(name, base, device) for name in args.impls.split(",")]
+    impls = [build(name, base, device, args.local_step == "on") for name in args.impls.split(",")]
     del base
     for step in range(args.warmup + args.steps):
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(device)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from . import grad_buffers
 from .buffer import FlatBuffer
 from .collectives import Pending, all_gather, all_reduce, reduce_scatter
 from .grad_scaling import GradScaling
@@ -67,10 +68,14 @@ class PendingReduce:
     group: ParamGroup
     work: Pending
     output: torch.Tensor  # this rank's reduced shard, flat
+    scratch: torch.Tensor | None = None  # the full gradient buffer, reusable once this lands
 
     def finish(self) -> None:
         self.work.wait()
         self.group.install_grads(self.group.reduce_across_outer(self.output))
+        if self.scratch is not None:
+            grad_buffers.give_back(self.scratch)
+            self.scratch = None
 
 
 def copy_param_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -316,7 +321,7 @@ class ParamGroup:
         if not self._grad_indices:
             return
         if self.grad_buffer is None:
-            self.grad_buffer = torch.zeros(self.layout.total_numel, dtype=self.grad_dtype, device=self.shard.device)
+            self.grad_buffer = grad_buffers.zeros(self.layout.total_numel, self.grad_dtype, self.shard.device)
         for i in self._grad_indices:
             slot = self.layout.slots[i]
             self.unsharded_params[i].main_grad = self.grad_buffer.narrow(0, slot.offset, slot.numel).view(slot.shape)
@@ -367,7 +372,8 @@ class ParamGroup:
             # dp_shard's share of the gradients: the main shard, or under outer 'optim' the compute shard.
             output = torch.empty(self.compute_shard.numel(), dtype=buffer.dtype, device=buffer.device)
             work = reduce_scatter(output, buffer, self.process_group, input_is_scratch=True)
-            return PendingReduce(self, work, output)
+            # No gradient aliases the buffer; a cast copy (comm dtype) is not worth keeping.
+            return PendingReduce(self, work, output, scratch=buffer if buffer.dtype == self.grad_dtype else None)
         work = all_reduce(buffer, self.process_group)
         n = self.layout.shard_numel
         return PendingReduce(self, work, buffer.narrow(0, self.shard_rank * n, n))

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from torch.autograd import Variable
 
+from . import grad_buffers
 from .allocator import default_pool
 from .profiling import REDUCE_ISSUE, REDUCE_WAIT, trace_range
 
@@ -104,6 +105,7 @@ class RootState:
                         reduce = group.reduce_grads(unit.reduces_now, unit.grad_scaling)
                     self.track(reduce)
         self.drain()
+        grad_buffers.drop_all()
         step_may_follow = self.root.optimizer_step_may_follow
         for unit in self.units:
             unit.finish_backward()
