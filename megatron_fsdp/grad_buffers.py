@@ -20,14 +20,22 @@ import torch
 
 MAX_SPARE = 2
 _spare: list[torch.Tensor] = []
+counts = {"allocated": 0, "reused": 0}  # since import; for tests and benchmarks
 
 
 def zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed 1-D gradient buffer, re-using a spare one of the same size, dtype and device."""
     for i, buffer in enumerate(_spare):
         if buffer.numel() == numel and buffer.dtype == dtype and buffer.device == device:
+            counts["reused"] += 1
             return _spare.pop(i).zero_()
+    counts["allocated"] += 1
     return torch.zeros(numel, dtype=dtype, device=device)
+
+
+def spare_count() -> int:
+    """How many spare buffers are held now (0 outside a backward)."""
+    return len(_spare)
 
 
 def give_back(buffer: torch.Tensor) -> None:

@@ -73,9 +73,6 @@ class PendingReduce:
     def finish(self) -> None:
         self.work.wait()
         self.group.install_grads(self.group.reduce_across_outer(self.output))
-        if self.scratch is not None:
-            grad_buffers.give_back(self.scratch)
-            self.scratch = None
 
 
 def copy_param_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:

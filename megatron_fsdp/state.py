@@ -89,10 +89,14 @@ class RootState:
     def drain(self) -> None:
         while self._in_flight:
             self._finish_oldest()
+        grad_buffers.drop_all()  # spares serve one backward; none is held between steps
 
     def _finish_oldest(self) -> None:
         with trace_range(REDUCE_WAIT, self.root.device):
-            self._in_flight.popleft().finish()
+            reduce = self._in_flight.popleft()
+            reduce.finish()
+        if reduce.scratch is not None:  # the next unit's backward re-uses it
+            grad_buffers.give_back(reduce.scratch)
 
     def finish_backward(self) -> None:
         """Reduce leftovers (hooks that never fired), wait, reshard, reset."""
@@ -105,7 +109,6 @@ class RootState:
                         reduce = group.reduce_grads(unit.reduces_now, unit.grad_scaling)
                     self.track(reduce)
         self.drain()
-        grad_buffers.drop_all()
         step_may_follow = self.root.optimizer_step_may_follow
         for unit in self.units:
             unit.finish_backward()

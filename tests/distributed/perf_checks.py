@@ -190,3 +190,19 @@ def _pooled_gradients_match_unsharded_model() -> None:
         model.zero_grad()
         reference.zero_grad()
     assert default_pool().lent_bytes == 0
+
+
+@check(SUITE, world_sizes=(2,))
+def gradient_buffers_are_reused_within_backward_and_dropped_after() -> None:
+    from megatron_fsdp import grad_buffers
+
+    model = sharded_stack()  # six equal block units under a root without parameters of its own
+    train_steps(model, 1)  # warm-up
+    before = dict(grad_buffers.counts)
+    train_steps(model, 2)
+    allocated = grad_buffers.counts["allocated"] - before["allocated"]
+    reused = grad_buffers.counts["reused"] - before["reused"]
+    # Up to two reductions stay in flight, so the first three units of a backward allocate;
+    # the other three take the buffers their reductions gave back.
+    assert (allocated, reused) == (6, 6), (allocated, reused)
+    assert grad_buffers.spare_count() == 0, "spare gradient buffers held between steps"
