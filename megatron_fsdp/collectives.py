@@ -56,22 +56,18 @@ class Pending:
     def __init__(self, work: dist.Work | list[dist.Work] | None, then: Callable[[], None] | None = None) -> None:
         self._works = [] if work is None else work if isinstance(work, list) else [work]
         self._then = then
-        self._done = work is None and then is None
 
     def wait(self) -> None:
-        if self._done:
-            return
-        for work in self._works:
+        works, self._works = self._works, []
+        for work in works:
             work.wait()
-        self._works = []
-        if self._then is not None:
-            self._then()
-            self._then = None
-        self._done = True
+        then, self._then = self._then, None
+        if then is not None:
+            then()
 
     @property
     def done(self) -> bool:
-        return self._done
+        return not self._works and self._then is None
 
 
 # gloo (CPU) only, both on by default; both keep the bytes and the numbers of the
@@ -83,16 +79,10 @@ class Pending:
 #   plus a copy of this rank's slice: gloo implements reduce-scatter as exactly that
 #   all-reduce, on a copy of the input it allocates first (the same sums, bit for bit).
 gloo_fast_paths = True
-_backend_of: dict[int, str] = {}
 
 
 def _is_gloo(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    if not gloo_fast_paths or tensor.device.type != "cpu":
-        return False
-    key = id(group)
-    if key not in _backend_of:
-        _backend_of[key] = str(dist.get_backend(group))
-    return _backend_of[key] == "gloo"
+    return gloo_fast_paths and tensor.device.type == "cpu" and str(dist.get_backend(group)) == "gloo"
 
 
 # CUDA only: one all-gather and one reduce-scatter stream per device. Issuing the

@@ -33,10 +33,10 @@ def _local_alias(tensor: DTensor) -> torch.Tensor:
     return tensor._local_tensor.detach()  # shares storage and version counter
 
 
-def _restore(value: Any, param: DTensor, aliased: dict[int, DTensor]) -> Any:
+def _restore(value: Any, param: DTensor, aliased: dict[int, tuple[torch.Tensor, DTensor]]) -> Any:
     """What the state keeps for ``value`` after a local step: a DTensor where it had one."""
     if id(value) in aliased:  # updated in place: the original DTensor holds the result
-        return aliased[id(value)]
+        return aliased[id(value)][1]
     if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0 and (
         value.shape == param._local_tensor.shape
     ):  # replaced or created by the optimizer: give it the parameter's layout
@@ -59,8 +59,8 @@ def steppable_locally(optimizer: torch.optim.Optimizer) -> bool:
 def on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Inside, ``optimizer`` refers to local aliases of its DTensor parameters and state."""
     swapped: list[tuple[dict, int, DTensor, torch.Tensor, dict[str, Any]]] = []
-    aliased: dict[int, DTensor] = {}  # id(local alias) -> the state DTensor it aliases
-    keep_alive: list[torch.Tensor] = []  # the aliases, so their ids stay unique
+    # id(local alias) -> (the alias, kept alive so its id stays unique; the state DTensor it aliases)
+    aliased: dict[int, tuple[torch.Tensor, DTensor]] = {}
     try:
         for group in optimizer.param_groups:
             params = group["params"]
@@ -75,8 +75,7 @@ def on_local_shards(optimizer: torch.optim.Optimizer) -> Iterator[None]:
                 for key, value in original.items():
                     if isinstance(value, DTensor):
                         value = _local_alias(value)
-                        aliased[id(value)] = original[key]
-                        keep_alive.append(value)
+                        aliased[id(value)] = (value, original[key])
                     state[key] = value
                 if state:
                     optimizer.state[local] = state

@@ -29,6 +29,7 @@ untouched until the first real ``step()``.
 
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import Any
 
@@ -120,10 +121,8 @@ def fully_shard_optimizer(
 
         if closure is None:
             prepare()
-            if getattr(self, _WRAPPED)["step_on_local_shards"] and steppable_locally(self):
-                with on_local_shards(self):
-                    result = original_step(**kwargs)
-            else:
+            local = getattr(self, _WRAPPED)["step_on_local_shards"] and steppable_locally(self)
+            with on_local_shards(self) if local else contextlib.nullcontext():
                 result = original_step(**kwargs)
         else:
             def closure_then_sync() -> Any:  # gradients exist only once the closure's backward ran
