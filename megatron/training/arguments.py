@@ -10,8 +10,10 @@ data-parallel world size, so it runs after ``torch.distributed`` is up.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 
+from .datasets.builder import parse_split
 from .tokenizer import TOKENIZER_TYPES
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -66,6 +68,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--distributed-backend", choices=("auto", "gloo", "nccl"), default="auto",
                    help="auto: nccl when CUDA is available, else gloo")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="timeout of the process group's collectives: how long a rank waits for a missing peer")
     g.add_argument("--deterministic-mode", action="store_true", help="torch.use_deterministic_algorithms(True)")
 
 
@@ -96,7 +100,10 @@ def _fsdp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init-model-with-meta-device", action="store_true")
     g.add_argument("--fsdp-double-buffer", action="store_true")
     g.add_argument("--use-nccl-ub", action="store_true")
-    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
+                   help="(default) stop with an error at the first iteration whose loss or grad norm is NaN/Inf")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", help="skip such iterations instead (the run fails if all are skipped)")
     g.add_argument("--ckpt-format", choices=("torch_dist", "torch", "fsdp_dtensor"), default="torch_dist")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
@@ -138,12 +145,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.use_megatron_fsdp = True
     if args.fp16:
         _fail("--fp16 is not supported by this front-end; use --bf16")
-    for flag, value in (("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size),
-                        ("--num-attention-heads", args.num_attention_heads), ("--seq-length", args.seq_length),
-                        ("--micro-batch-size", args.micro_batch_size), ("--train-iters", args.train_iters),
-                        ("--log-interval", args.log_interval)):
-        if value is None or value <= 0:
-            _fail(f"{flag} must be positive, got {value}")
+    _validate_numbers(args)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
@@ -158,8 +160,61 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.lr_decay_iters = args.train_iters
     if args.min_lr > args.lr:
         _fail(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    if args.lr_decay_style != "constant" and args.lr_warmup_iters >= args.lr_decay_iters:
+        _fail(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < --lr-decay-iters ({args.lr_decay_iters}, "
+              f"default --train-iters) with --lr-decay-style {args.lr_decay_style}")
     args.params_dtype = "bfloat16" if args.bf16 else "float32"
     return args
+
+
+# Flags checked by _validate_numbers, by the range their values must lie in.
+_POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                  "train_iters", "log_interval", "make_vocab_size_divisible_by", "rotary_base",
+                  "distributed_timeout_minutes")
+_OPTIONAL_POSITIVE_INTS = ("ffn_hidden_size", "num_query_groups", "max_position_embeddings", "global_batch_size",
+                           "vocab_size", "lr_decay_iters", "eval_interval", "save_interval", "exit_interval")
+_NON_NEGATIVE_INTS = ("eval_iters", "lr_warmup_iters", "num_workers")
+_NON_NEGATIVE_FLOATS = ("lr", "min_lr", "weight_decay", "adam_eps", "clip_grad")
+_PROBABILITIES = ("attention_dropout", "hidden_dropout", "adam_beta1", "adam_beta2")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _validate_numbers(args: argparse.Namespace) -> None:
+    """Reject sizes <= 0, negative counts, probabilities outside [0, 1) and NaN/Inf, naming the flag.
+
+    Torch would otherwise fail later with a message that names no flag (a negative
+    std, a dropout of 1.5), or a value would be silently replaced (--ffn-hidden-size 0).
+    """
+    for dest in _POSITIVE_INTS + _OPTIONAL_POSITIVE_INTS:
+        value = getattr(args, dest)
+        if (value is not None or dest in _POSITIVE_INTS) and (value is None or value <= 0):
+            _fail(f"{_flag(dest)} must be positive, got {value}")
+    for dest in _NON_NEGATIVE_INTS:
+        if getattr(args, dest) < 0:
+            _fail(f"{_flag(dest)} must be >= 0, got {getattr(args, dest)}")
+    for dest in _NON_NEGATIVE_FLOATS:
+        value = getattr(args, dest)
+        if not math.isfinite(value) or value < 0:
+            hint = " (0: no clipping)" if dest == "clip_grad" else ""
+            _fail(f"{_flag(dest)} must be a finite number >= 0{hint}, got {value}")
+    if not (math.isfinite(args.init_method_std) and args.init_method_std > 0):
+        _fail(f"--init-method-std must be a finite number > 0 (the std of the initial weights), "
+              f"got {args.init_method_std}")
+    for dest in _PROBABILITIES:
+        value = getattr(args, dest)
+        if not 0.0 <= value < 1.0:  # also false for NaN
+            _fail(f"{_flag(dest)} must be in [0, 1), got {value}")
+    if not 0 <= args.seed < 2**32:
+        _fail(f"--seed must be in [0, 2**32) (numpy's seed range), got {args.seed}")
+    if args.eval_interval is not None and args.eval_iters == 0:
+        _fail("--eval-iters 0 with --eval-interval evaluates nothing; give --eval-iters > 0 or drop --eval-interval")
+    try:
+        parse_split(args.split)
+    except ValueError as error:
+        _fail(str(error))
 
 
 def _validate_batch(args: argparse.Namespace) -> None:
@@ -191,6 +246,10 @@ def _validate_fsdp(args: argparse.Namespace) -> None:
                   "optimizer) is not provided by this front-end; add --use-megatron-fsdp "
                   "--data-parallel-sharding-strategy optim for the same ZeRO-1 behaviour")
         return
+    if args.use_distributed_optimizer and args.data_parallel_sharding_strategy == "no_shard":
+        _fail("--use-distributed-optimizer with --use-megatron-fsdp and --data-parallel-sharding-strategy no_shard: "
+              "under Megatron-FSDP the strategy decides where optimizer state lives, and no_shard replicates it; "
+              "pass --data-parallel-sharding-strategy optim (ZeRO-1), optim_grads or optim_grads_params")
     if args.model_provider == "mcore" and args.distributed_backend == "gloo":
         _fail("--model-provider mcore needs CUDA (NCCL); megatron-core's GPTModel does not run on gloo/CPU")
     if args.outer_dp_sharding_strategy != "no_shard" and instances == 1:
@@ -217,9 +276,5 @@ def _validate_data_and_checkpoints(args: argparse.Namespace) -> None:
         _fail("give --data-path PREFIX (Megatron .bin/.idx dataset) or --mock-data")
     if args.mock_data and args.data_path:
         _fail("--mock-data and --data-path are mutually exclusive")
-    if args.save_interval is not None and args.save_interval <= 0:
-        _fail(f"--save-interval must be positive, got {args.save_interval}")
     if args.save_interval is not None and not args.save:
         _fail("--save-interval requires --save DIR")
-    if args.eval_interval is not None and args.eval_interval <= 0:
-        _fail(f"--eval-interval must be positive, got {args.eval_interval}")

@@ -47,13 +47,25 @@ class GPTConfig:
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        return 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size
 
     @property
     def query_groups(self) -> int:
-        return self.num_query_groups or self.num_attention_heads
+        return self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
 
     def __post_init__(self) -> None:
+        sizes = {"--num-layers": self.num_layers, "--hidden-size": self.hidden_size,
+                 "--num-attention-heads": self.num_attention_heads, "--vocab-size (padded)": self.vocab_size,
+                 "--max-position-embeddings": self.max_position_embeddings, "--ffn-hidden-size": self.ffn_size,
+                 "--num-query-groups": self.query_groups}
+        for flag, value in sizes.items():
+            if value <= 0:
+                raise ValueError(f"{flag} must be positive, got {value}")
+        for flag, value in (("--attention-dropout", self.attention_dropout), ("--hidden-dropout", self.hidden_dropout)):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{flag} must be in [0, 1), got {value}")
+        if not (math.isfinite(self.init_method_std) and self.init_method_std > 0):
+            raise ValueError(f"--init-method-std must be a finite number > 0, got {self.init_method_std}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "

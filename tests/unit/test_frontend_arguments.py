@@ -49,6 +49,63 @@ def test_rejections(flags, message):
     assert message in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--ffn-hidden-size", "0"], "--ffn-hidden-size must be positive, got 0"),
+    (["--ffn-hidden-size", "-1"], "--ffn-hidden-size must be positive, got -1"),
+    (["--num-query-groups", "0"], "--num-query-groups must be positive, got 0"),
+    (["--init-method-std", "-0.02"], "--init-method-std must be a finite number > 0"),
+    (["--init-method-std", "nan"], "--init-method-std must be a finite number > 0"),
+    (["--attention-dropout", "1.5"], "--attention-dropout must be in [0, 1), got 1.5"),
+    (["--hidden-dropout", "-0.1"], "--hidden-dropout must be in [0, 1), got -0.1"),
+    (["--hidden-dropout", "1"], "--hidden-dropout must be in [0, 1), got 1.0"),
+    (["--adam-beta2", "1.0"], "--adam-beta2 must be in [0, 1)"),
+    (["--clip-grad", "-1"], "--clip-grad must be a finite number >= 0 (0: no clipping), got -1.0"),
+    (["--lr", "inf"], "--lr must be a finite number >= 0, got inf"),
+    (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0"),
+    (["--adam-eps=-1e-8"], "--adam-eps must be a finite number >= 0"),
+    (["--global-batch-size", "0"], "--global-batch-size must be positive, got 0"),
+    (["--max-position-embeddings", "0"], "--max-position-embeddings must be positive"),
+    (["--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible-by must be positive"),
+    (["--vocab-size", "0"], "--vocab-size must be positive"),
+    (["--eval-iters", "-1"], "--eval-iters must be >= 0, got -1"),
+    (["--eval-iters", "0", "--eval-interval", "5"], "--eval-iters 0 with --eval-interval evaluates nothing"),
+    (["--eval-interval", "0"], "--eval-interval must be positive, got 0"),
+    (["--lr-warmup-iters", "-2"], "--lr-warmup-iters must be >= 0"),
+    (["--lr-warmup-iters", "20"], "--lr-warmup-iters (20) must be < --lr-decay-iters (20"),
+    (["--lr-decay-iters", "0"], "--lr-decay-iters must be positive"),
+    (["--exit-interval", "0"], "--exit-interval must be positive"),
+    (["--num-workers", "-1"], "--num-workers must be >= 0"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32)"),
+    (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be positive"),
+    (["--split", "90,x"], "--split '90,x' is not valid"),
+    (["--rotary-base", "0"], "--rotary-base must be positive"),
+    (["--use-megatron-fsdp", "--use-distributed-optimizer"],
+     "--use-distributed-optimizer with --use-megatron-fsdp and --data-parallel-sharding-strategy no_shard"),
+])
+def test_numeric_and_range_rejections(flags, message):
+    """Each out-of-range value is rejected naming its flag, not replaced nor left to a torch error."""
+    with pytest.raises(ArgumentError) as info:
+        args_for(*flags)
+    assert message in str(info.value), str(info.value)
+
+
+def test_accepted_edges():
+    args = args_for("--clip-grad", "0", "--lr", "0", "--min-lr", "0", "--attention-dropout", "0",
+                    "--lr-warmup-iters", "30", "--lr-decay-style", "constant", "--eval-iters", "0")
+    assert args.clip_grad == 0 and args.lr == 0
+    fsdp = args_for("--use-megatron-fsdp", "--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim")
+    assert ddp_config_from_args(fsdp).use_distributed_optimizer
+
+
+def test_nan_check_on_by_default_and_timeout_flag():
+    assert args_for().check_for_nan_in_loss_and_grad
+    assert args_for("--check-for-nan-in-loss-and-grad").check_for_nan_in_loss_and_grad
+    assert not args_for("--no-check-for-nan-in-loss-and-grad").check_for_nan_in_loss_and_grad
+    assert args_for().distributed_timeout_minutes == 10
+    assert args_for("--distributed-timeout-minutes", "3").distributed_timeout_minutes == 3
+
+
 def test_needs_data():
     with pytest.raises(ArgumentError, match="--data-path PREFIX"):
         validate_args(parse_args(["--vocab-size", "8"]), 1)
