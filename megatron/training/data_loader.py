@@ -85,6 +85,9 @@ def build_pretraining_data_loader(
         num_workers=int(num_workers),
         pin_memory=torch.cuda.is_available(),
         persistent_workers=int(num_workers) > 0,
+        # Its own generator: starting an iterator draws a worker base seed, and from the global
+        # torch RNG that draw would shift dropout masks after a checkpoint's RNG state is restored.
+        generator=torch.Generator().manual_seed(0),
     )
 
 
