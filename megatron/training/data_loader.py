@@ -10,7 +10,7 @@ from ``consumed_train_samples`` at any data-parallel size continues with the sam
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -91,6 +91,29 @@ def build_pretraining_data_loader(
     )
 
 
+def check_token_ids(batches: Iterable[dict], vocab_size: int, source: str) -> Iterator[dict]:
+    """Yield ``batches``, first checking that every token and label id is in ``[0, vocab_size)``.
+
+    An id outside the tokenizer's vocabulary means the data was tokenized with another tokenizer
+    or vocabulary size; the embedding would fail with a bare ``IndexError`` (or, below the padded
+    vocabulary, silently train on a wrong id). A min and a max per CPU micro-batch cost nothing
+    next to a forward pass.
+    """
+    for batch in batches:
+        for key in ("tokens", "labels"):
+            ids = batch[key]
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= vocab_size:
+                bad = high if high >= vocab_size else low
+                raise ValueError(
+                    f"{source}: token id {bad} is outside the tokenizer's vocabulary [0, {vocab_size}); the data "
+                    "and the tokenizer disagree. Train with the tokenizer the data was preprocessed with "
+                    "(--tokenizer-type, --tokenizer-model; for NullTokenizer a --vocab-size above every id in the "
+                    "data), or preprocess the data again with this one"
+                )
+        yield batch
+
+
 def build_train_valid_test_data_iterators(
     args: Any, dp_rank: int, dp_size: int, tokenizer: Any = None
 ) -> tuple[Iterator | None, Iterator | None, Iterator | None]:
@@ -102,8 +125,8 @@ def build_train_valid_test_data_iterators(
     Each iterator ends after its split's samples (train: ``train_iters * global_batch_size``;
     validation: ``(train_iters // eval_interval + 1) * eval_iters * global_batch_size``; test:
     ``eval_iters * global_batch_size``). An iterator is None when its split has no documents or
-    no samples are asked of it.
-    ``tokenizer`` defaults to ``build_tokenizer(args)``.
+    no samples are asked of it. Every batch's ids are checked against the tokenizer's vocabulary
+    (``check_token_ids``). ``tokenizer`` defaults to ``build_tokenizer(args)``.
     """
     check_batch_sizes(args, dp_size)
     if not getattr(args, "mock_data", False) and not getattr(args, "data_path", None):
@@ -118,13 +141,16 @@ def build_train_valid_test_data_iterators(
         0,
     )
     num_workers = int(getattr(args, "num_workers", 0) or 0)
+    path = getattr(args, "data_path", None) or []
+    path = path if isinstance(path, str) else " ".join(path)
+    data = "--mock-data" if getattr(args, "mock_data", False) else f"--data-path {path}"
     iterators: list[Iterator | None] = []
-    for dataset, start, total in zip(datasets, consumed, wanted):
+    for dataset, start, total, split in zip(datasets, consumed, wanted, ("train", "validation", "test")):
         if dataset is None:
             iterators.append(None)
             continue
         loader = build_pretraining_data_loader(
             dataset, start, int(args.micro_batch_size), dp_rank, dp_size, num_workers, total
         )
-        iterators.append(iter(loader))
+        iterators.append(check_token_ids(loader, tokenizer.vocab_size, f"{data} ({split} split)"))
     return iterators[0], iterators[1], iterators[2]

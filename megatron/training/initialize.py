@@ -27,7 +27,10 @@ def initialize_distributed(args: argparse.Namespace) -> torch.device:
             # A plain `python pretrain_gpt.py`: one process, as torchrun would set it up.
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+        # A rank that stops calling collectives (an exception on it alone, a skipped forward) leaves the
+        # others waiting this long before the group reports it.
+        minutes = getattr(args, "distributed_timeout_minutes", 10)
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=minutes))
     else:
         backend = str(dist.get_backend())
     args.distributed_backend = backend
@@ -36,6 +39,36 @@ def initialize_distributed(args: argparse.Namespace) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def check_save_dir(path: str) -> None:
+    """Fail at start, on every rank, if ``--save`` cannot hold checkpoints (not only at the first save).
+
+    Each rank creates the directory and writes and removes a probe file, since every rank writes
+    its own shards (and ranks on other nodes may see another file system); the first rank's
+    error is raised on all ranks, so none is left waiting in a collective.
+    """
+    error = None
+    try:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise NotADirectoryError(f"{path} exists and is not a directory")
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_probe_rank{dist.get_rank() if dist.is_initialized() else 0}")
+        with open(probe, "w") as f:
+            f.write("probe")
+        os.remove(probe)
+    except OSError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    errors = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    for rank, message in enumerate(errors):
+        if message is not None:
+            raise RuntimeError(
+                f"--save {path} cannot hold checkpoints (rank {rank}: {message}); give a directory this job "
+                "can create and write to"
+            )
 
 
 def set_random_seed(seed: int) -> None:

@@ -25,6 +25,11 @@ def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> 
     return 3.0 * forward
 
 
+def format_tflops(tflops: float) -> str:
+    """Megatron's one decimal at GPU rates; three significant digits below 1, so CPU runs do not print 0.0."""
+    return f"{tflops:.1f}" if tflops >= 1.0 or tflops == 0.0 or not math.isfinite(tflops) else f"{tflops:.3g}"
+
+
 def memory_report(device: torch.device) -> str:
     """Allocator figures on CUDA; resident-set size (current and peak) on CPU."""
     if device.type == "cuda":
@@ -57,7 +62,7 @@ def training_log_line(
     line = f" [{now}] iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
-    line += f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
+    line += f" throughput per GPU (TFLOP/s/GPU): {format_tflops(tflops)} |"
     line += f" learning rate: {lr:.6E} |"
     line += f" global batch size: {global_batch:5d} |"
     for key, value in losses.items():

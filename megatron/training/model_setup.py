@@ -34,7 +34,9 @@ def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelCon
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
-        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+        # The training loop checks every iteration's (global) loss and grad norm itself and names the
+        # iteration and the parameters; the engine's check would fire first, without the iteration.
+        check_for_nan_in_grad=False,
         average_in_collective=args.ddp_average_in_collective,
         use_megatron_fsdp=args.use_megatron_fsdp,
         data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,

@@ -139,3 +139,24 @@ def test_errors(tmp_path):
         build_train_valid_test_data_iterators(make_args(vocab_size=None), 0, 1)
     with pytest.raises(ValueError, match="data-parallel rank 2"):
         build_train_valid_test_data_iterators(make_args(), 2, 2)
+
+
+def test_token_ids_beyond_the_tokenizer_are_named(tmp_path):
+    """Data tokenized with a larger vocabulary than --vocab-size: a clear error, not IndexError in the embedding."""
+    builder = IndexedDatasetBuilder(str(tmp_path / "big.bin"), np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        builder.add_item(rng.integers(0, 100, size=20).tolist() + [100])  # ids of a 100-token vocabulary
+        builder.end_document()
+    builder.finalize(str(tmp_path / "big.idx"))
+    prefix = str(tmp_path / "big")
+    train, _, _ = build_train_valid_test_data_iterators(make_args(mock_data=False, data_path=[prefix]), 0, 1)
+    with pytest.raises(ValueError) as info:
+        next(train)
+    message = str(info.value)
+    assert f"--data-path {prefix} (train split): token id" in message
+    assert "outside the tokenizer's vocabulary [0, 51)" in message and "--vocab-size" in message
+    # the vocabulary the data was built with passes
+    train, _, _ = build_train_valid_test_data_iterators(
+        make_args(mock_data=False, data_path=[prefix], vocab_size=100), 0, 1)
+    assert next(train)["tokens"].max() <= 100

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from megatron.training.logging_utils import training_log_line, validation_log_lines
+from megatron.training.logging_utils import format_tflops, training_log_line, validation_log_lines
 from megatron.training.model_setup import ddp_config_from_args
 
 BASE = ["--mock-data", "--vocab-size", "64"]
@@ -138,3 +138,5 @@ def test_log_line_format():
                  "number of skipped iterations:   0 |", "number of nan iterations:   0 |"):
         assert part in line, part
     assert "lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00" in validation_log_lines(5, 2.0)
+    # a CPU rate keeps three significant digits instead of printing 0.0; GPU rates keep Megatron's one decimal
+    assert [format_tflops(x) for x in (0.0, 0.004123, 0.5, 312.46)] == ["0.0", "0.00412", "0.5", "312.5"]

@@ -66,6 +66,14 @@ def test_config_errors():
         small(hidden_size=30)
     with pytest.raises(ValueError, match="max-position-embeddings"):
         GPTModel(small())(torch.zeros(1, 20, dtype=torch.long))
+    # API users get the flag checks too: 0 is not "the default", a bad std or dropout names its flag
+    for overrides, flag in (({"ffn_hidden_size": 0}, "--ffn-hidden-size must be positive, got 0"),
+                            ({"num_query_groups": 0}, "--num-query-groups must be positive"),
+                            ({"init_method_std": -0.1}, "--init-method-std"),
+                            ({"attention_dropout": 1.5}, r"--attention-dropout must be in \[0, 1\)"),
+                            ({"hidden_dropout": -0.5}, "--hidden-dropout")):
+        with pytest.raises(ValueError, match=flag):
+            small(**overrides)
 
 
 @pytest.mark.parametrize("style", ["constant", "linear", "cosine"])

@@ -136,6 +136,22 @@ def test_errors(tmp_path):
         IndexedDatasetBuilder(str(tmp_path / "f.bin"), np.float16)
 
 
+@pytest.mark.parametrize("suffix, keep, message", [
+    (".bin", -1, r"t\.bin is truncated or corrupt: it holds 15 bytes, 16 are needed for sequence 2"),
+    (".bin", 0, r"t\.bin is truncated or corrupt: it holds 0 bytes, 16 are needed"),
+    (".idx", -8, r"t\.idx is truncated or corrupt: .* 3 sequences and 4 document indices"),
+    (".idx", 20, r"t\.idx is truncated or corrupt: it holds 20 bytes, 34 are needed for its header"),
+])
+def test_truncated_files_fail_at_open_naming_the_file(tmp_path, suffix, keep, message):
+    """A cut .bin/.idx is found when the dataset is opened (at start-up), not when the cut document is read."""
+    prefix = build(tmp_path / "t", [[[1, 2, 3]], [[4, 5, 6, 7]], [[8]]])
+    path = tmp_path / f"t{suffix}"
+    data = path.read_bytes()
+    path.write_bytes(data[:keep] if keep else b"")
+    with pytest.raises(ValueError, match=message):
+        IndexedDataset(prefix)
+
+
 def test_bytes_equal_megatron_core_writer(tmp_path):
     """Where megatron-core is installed, its builder writes the same bytes and its reader reads ours."""
     mcore = pytest.importorskip("megatron.core.datasets.indexed_dataset")

@@ -172,6 +172,11 @@ class IndexedDatasetBuilder:
         write_index(idx_path, self.dtype, self.sequence_lengths, self.document_indices)
 
 
+def _truncated(path: str, size: int, needed: int, what: str) -> str:
+    return (f"{path} is truncated or corrupt: it holds {size} bytes, {needed} are needed for {what}; copy or "
+            "preprocess the dataset again (tools/preprocess_data.py)")
+
+
 class IndexedDataset:
     """Read-only view of a ``.bin``/``.idx`` pair through numpy memmaps (nothing is loaded up front).
 
@@ -182,10 +187,14 @@ class IndexedDataset:
         check_dataset_files(path_prefix)
         self.path_prefix = path_prefix
         idx_path = index_file_path(path_prefix)
+        idx_size = os.path.getsize(idx_path)
+        header_size = len(INDEX_HEADER) + 8 + 1 + 8 + 8
         with open(idx_path, "rb") as f:
             header = f.read(len(INDEX_HEADER))
             if header != INDEX_HEADER:
                 raise ValueError(f"{idx_path} is not a Megatron indexed dataset index (bad magic {header!r})")
+            if idx_size < header_size:
+                raise ValueError(_truncated(idx_path, idx_size, header_size, "its header"))
             (version,) = struct.unpack("<Q", f.read(8))
             if version != INDEX_VERSION:
                 raise ValueError(f"{idx_path}: unsupported index version {version} (expected {INDEX_VERSION})")
@@ -196,6 +205,10 @@ class IndexedDataset:
             (sequence_count,) = struct.unpack("<Q", f.read(8))
             (document_count,) = struct.unpack("<Q", f.read(8))
             offset = f.tell()
+        expected = offset + sequence_count * (4 + 8) + document_count * 8
+        if idx_size < expected:
+            raise ValueError(_truncated(idx_path, idx_size, expected,
+                                        f"{sequence_count} sequences and {document_count} document indices"))
         index = np.memmap(idx_path, mode="r", order="C")
         self.sequence_lengths = np.frombuffer(index, dtype="<i4", count=sequence_count, offset=offset)
         offset += self.sequence_lengths.nbytes
@@ -203,10 +216,26 @@ class IndexedDataset:
         offset += self.sequence_pointers.nbytes
         self.document_indices = np.frombuffer(index, dtype="<i8", count=document_count, offset=offset)
         bin_path = data_file_path(path_prefix)
+        self._check_bin_size(bin_path, os.path.getsize(bin_path))
         if os.path.getsize(bin_path) == 0:
             self._bin = np.zeros(0, dtype=np.uint8)  # np.memmap rejects empty files
         else:
             self._bin = np.memmap(bin_path, mode="r", order="C")
+
+    def _check_bin_size(self, bin_path: str, bin_size: int) -> None:
+        """Raise, naming the file, if the index points past the end of ``.bin`` (a truncated copy or write).
+
+        Vectorised over the index (no token is read), so it costs milliseconds even for millions of
+        sequences; without it a cut file fails only when training reaches the cut document.
+        """
+        if not len(self.sequence_lengths):
+            return
+        if (self.sequence_lengths < 0).any() or (self.sequence_pointers < 0).any():
+            raise ValueError(f"{index_file_path(self.path_prefix)} is corrupt: negative sequence lengths or pointers")
+        ends = self.sequence_pointers + self.sequence_lengths.astype(np.int64) * np.dtype(self.dtype).itemsize
+        last = int(np.argmax(ends))
+        if int(ends[last]) > bin_size:
+            raise ValueError(_truncated(bin_path, bin_size, int(ends[last]), f"sequence {last} (per its .idx)"))
 
     def __getstate__(self) -> dict:
         # pickle by path: DataLoader workers started by spawn/forkserver re-map the files
