@@ -8,9 +8,10 @@ operations (``finish_grad_sync``, ``install_weights``, ``discard_grad_buffers``,
 ``scale_grads``) serve the optimizer wrapper (``optimizer.py``), which finds the
 units from the sharded parameters it steps.
 
-State-dict keys are those of any ``nn.Module`` wrapper: ``module.``-prefixed,
-as in the reference. ``get_model_state_dict(model.module)`` (or ``.module.state_dict()``)
-gives the unprefixed keys of the original model.
+The wrapper is transparent to names (``TransparentWrapper``): ``state_dict()``,
+``load_state_dict()``, ``named_parameters()`` and PyTorch's DCP state-dict helpers
+use the wrapped model's own FQNs, never a ``module.`` prefix, so a checkpoint moves
+between this wrapper, per-module ``fully_shard``, DDP, FSDP2 and the plain model.
 """
 
 from __future__ import annotations
@@ -149,7 +150,96 @@ def named_sharded_parameters(units: list[FSDPUnit], root: nn.Module | None = Non
     return out
 
 
-class MegatronFSDP(nn.Module):
+class TransparentWrapper(nn.Module):
+    """An ``nn.Module`` wrapper (the wrapped model at ``.module``) that is transparent to names.
+
+    ``state_dict()`` / ``load_state_dict()`` keys, ``named_parameters()`` and
+    ``named_buffers()`` are the wrapped model's own FQNs (no ``module.`` prefix),
+    and PyTorch's ``torch.distributed.checkpoint.state_dict`` helpers (model and
+    optimizer state dicts) see the same names through ``_fqn_modifiers``, the
+    hook DCP offers wrappers. So checkpoints of the wrapped model load into the
+    plain model, DDP, FSDP2 or per-module ``fully_shard`` and the other way round,
+    as PyTorch's FSDP1 and megatron-core's data-parallel wrappers do for their
+    own prefixes. ``named_modules()`` still lists the wrapper and ``module``.
+    Wrappers may nest (the Megatron adapter holds a ``MegatronFSDP``). Inside a
+    parent module, the parent's ``state_dict()`` / ``load_state_dict()`` drop
+    this wrapper's ``module.`` too (hooks below), while the parent's
+    ``named_parameters()`` keeps it (PyTorch builds that from ``named_modules()``).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_load_state_dict_pre_hook(_TransparentNames.add_prefix)
+        self.register_load_state_dict_post_hook(_TransparentNames.strip_from_report)
+
+    @property
+    def _transparent_root(self) -> nn.Module:
+        """The innermost wrapped module: the one whose FQNs this wrapper shows."""
+        module = self.module
+        while isinstance(module, TransparentWrapper):
+            module = module.module
+        return module
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        # DCP's FQN walk (torch.distributed.checkpoint.state_dict._get_fqns): for a first name
+        # component found here, step into the attribute it maps to (our innermost module) first.
+        # Its state-dict walk drops a child whose attribute name is among the values ("module").
+        modifiers = {name: "_transparent_root" for name in self._transparent_root._modules}
+        modifiers[""] = "module"
+        return modifiers
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The wrapped module's state dict, keys without this wrapper's ``module.`` prefix."""
+        return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a state dict keyed by the wrapped module's FQNs (as ``state_dict()`` gives them)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The wrapped module's parameters under its own names."""
+        yield from super().named_parameters(prefix, recurse=False, remove_duplicate=remove_duplicate)
+        if recurse:
+            yield from self.module.named_parameters(prefix, recurse=True, remove_duplicate=remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The wrapped module's buffers under its own names."""
+        yield from super().named_buffers(prefix, recurse=False, remove_duplicate=remove_duplicate)
+        if recurse:
+            yield from self.module.named_buffers(prefix, recurse=True, remove_duplicate=remove_duplicate)
+
+
+class _TransparentNames:
+    """``load_state_dict`` hooks for a ``TransparentWrapper`` loaded as part of a parent module.
+
+    The parent's ``load_state_dict`` walks its children itself (it never calls the
+    wrapper's ``load_state_dict``), so the keys it hands down lack ``module.``:
+    the pre-hook adds it, the post-hook removes it again from missing/unexpected keys.
+    """
+
+    PREFIX_ATTR = "_transparent_load_prefix"
+
+    @staticmethod
+    def add_prefix(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            state_dict[f"{prefix}module.{key[len(prefix):]}"] = state_dict.pop(key)
+        module.__dict__[_TransparentNames.PREFIX_ATTR] = prefix
+
+    @staticmethod
+    def strip_from_report(module: nn.Module, report: Any) -> None:
+        prefix = module.__dict__.pop(_TransparentNames.PREFIX_ATTR, None)
+        if prefix is None:
+            return
+        inner = f"{prefix}module."
+        for keys in (report.missing_keys, report.unexpected_keys):
+            keys[:] = [prefix + k[len(inner):] if k.startswith(inner) else k for k in keys]
+
+
+class MegatronFSDP(TransparentWrapper):
     """A ``fully_shard``-ed model with the data-parallel methods of Megatron's training loop.
 
     Built by :func:`megatron_fsdp.fully_shard_model`; constructing it directly

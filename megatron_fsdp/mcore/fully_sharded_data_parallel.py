@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..config import validate_ddp_config
+from ..megatron_fsdp import TransparentWrapper
 
 
 def _base_class() -> type:
@@ -71,8 +72,12 @@ def _data_parallel_mesh(ddp_config: Any, device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, (instances, world // instances), mesh_dim_names=("dp_outer", "dp_shard"))
 
 
-class FullyShardedDataParallel(_BASE):
-    """Megatron-FSDP as a drop-in for megatron-core's data-parallel wrapper."""
+class FullyShardedDataParallel(TransparentWrapper, _BASE):
+    """Megatron-FSDP as a drop-in for megatron-core's data-parallel wrapper.
+
+    Transparent to names (``TransparentWrapper``): state dicts and parameter names are
+    the model's own FQNs, as with megatron-core's ``DistributedDataParallel``.
+    """
 
     def __init__(
         self,
@@ -174,6 +179,3 @@ class FullyShardedDataParallel(_BASE):
             "megatron-core's dist_checkpointing sharded_state_dict is not provided; use --ckpt-format fsdp_dtensor "
             "(megatron_fsdp.checkpoint.save_checkpoint)"
         )
-
-    def load_state_dict(self, state_dict: dict, strict: bool = True) -> Any:
-        return self.module.load_state_dict(state_dict, strict=strict)

@@ -120,7 +120,8 @@ def methods_do_what_megatron_expects() -> None:
     model.finish_grad_sync()
     assert any(p.grad is not None for p in model.parameters()), "the deferred reduction lands at finish_grad_sync"
     keys = set(model.state_dict_for_save_checkpoint())
-    assert "module.word_embeddings.weight" in keys and "module.layers.1.mlp.fc2.weight" in keys, sorted(keys)[:4]
+    assert "word_embeddings.weight" in keys and "layers.1.mlp.fc2.weight" in keys, sorted(keys)[:4]
+    assert not any(k.startswith("module.") for k in keys), "the adapter's keys are the model's own FQNs"
     model.broadcast_params()
     model.stop_communication()
     # calculate_per_token_loss on the model config: gradients summed over ranks, not averaged.
