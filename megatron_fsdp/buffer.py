@@ -32,6 +32,7 @@ class FlatBuffer:
         self.data = torch.empty(numel, dtype=dtype, device=device)
         self._nbytes = self.data.untyped_storage().nbytes()
         self._pooled = False  # the current memory is on loan from the pool
+        self.abandoned = False  # see ``abandon``
         if not allocated:
             self.free()
 
@@ -42,18 +43,29 @@ class FlatBuffer:
 
     def allocate(self) -> torch.Tensor:
         """Give the buffer storage (contents undefined) and return it."""
+        if self.abandoned:
+            raise RuntimeError("this buffer was abandoned after a failed collective and cannot be used again")
         if not self.allocated:
             self._pooled = self.pool.acquire(self.data.untyped_storage(), self._nbytes)
         return self.data
 
     def free(self) -> None:
-        """Release the storage; views keep their shapes but hold no data."""
-        if self._nbytes and self.allocated:
+        """Release the storage; views keep their shapes but hold no data (a no-op once abandoned)."""
+        if self._nbytes and self.allocated and not self.abandoned:
             if self._pooled:
                 self.pool.release(self.data.untyped_storage())
                 self._pooled = False
             else:
                 self.data.untyped_storage().resize_(0)
+
+    def abandon(self) -> None:
+        """Keep the current memory for good: never free it, give it back to the pool or reuse it.
+
+        For a buffer a failed collective may still be writing into: freeing it then
+        (``resize_(0)``) corrupts the heap, and lending it again corrupts another buffer.
+        The memory is leaked instead, which only happens on a path that already raised.
+        """
+        self.abandoned = True
 
     def view(self, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
         """A view of ``numel(shape)`` elements starting at ``offset``."""

@@ -18,6 +18,7 @@ import contextlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,24 +51,124 @@ class CommStats:
 comm_stats = CommStats()
 
 
-class Pending:
-    """Collectives in flight, and what to do once they land; ``wait()`` is idempotent."""
+class Work(Protocol):
+    """What ``Pending`` holds: ``torch.distributed``'s async work handle, or anything with ``wait()``."""
 
-    def __init__(self, work: dist.Work | list[dist.Work] | None, then: Callable[[], None] | None = None) -> None:
-        self._works = [] if work is None else work if isinstance(work, list) else [work]
+    def wait(self) -> object: ...
+
+
+class Pending:
+    """Collectives in flight, and what to do once they land (``then``).
+
+    Note (memory safety, relied on by ``ParamGroup`` and ``RootState``): a work leaves
+    the handle only when its own ``wait()`` has returned, so while a handle holds works
+    the tensors they read or write may still be in use and must not be freed or reused.
+    ``wait()`` waits for every work even when one of them fails and then re-raises the
+    first error. A handle that failed stays failed for good: it keeps the works whose
+    wait raised (a failed NCCL work may still run on its stream), never runs ``then``,
+    and every later ``wait()`` raises again; its owner abandons the buffers involved.
+    A successful ``wait()`` is idempotent.
+    """
+
+    def __init__(self, work: Work | list[Work] | None = None, then: Callable[[], None] | None = None) -> None:
+        self._works: list[Work] = []
         self._then = then
+        self.error: BaseException | None = None  # the first failure; set once, never cleared
+        for w in [] if work is None else work if isinstance(work, list) else [work]:
+            self.add(w)
+
+    def add(self, work: Work) -> None:
+        """Hold one more issued work (called right after issuing it, so no error path can lose it)."""
+        self._works.append(work)
+        if self.error is None:
+            _in_flight.add(self)
 
     def wait(self) -> None:
-        works, self._works = self._works, []
-        for work in works:
-            work.wait()
+        """Wait for every work, then run ``then``; re-raise the first failure (see the class note)."""
+        if self.error is not None:
+            raise RuntimeError(
+                f"a collective of this handle failed earlier ({self.error!r}); its buffers are abandoned"
+            ) from self.error
+        error = self._wait_works()
+        if error is not None:
+            self._fail(error)
+            raise error
         then, self._then = self._then, None
         if then is not None:
-            then()
+            try:
+                then()
+            except Exception as exc:
+                self._fail(exc)
+                raise
+
+    def _wait_works(self) -> Exception | None:
+        """Wait for each work, dropping it once its wait returned; the first error, if any."""
+        first: Exception | None = None
+        i = 0
+        while i < len(self._works):
+            try:
+                self._works[i].wait()
+            except Exception as exc:  # keep it (it may still run) and wait for the others
+                if first is None:
+                    first = exc
+                i += 1
+                continue
+            del self._works[i]
+        if not self._works:
+            _in_flight.discard(self)
+        return first
+
+    def _fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        _in_flight.discard(self)  # its owner keeps it (and the abandoned buffers) for good
 
     @property
     def done(self) -> bool:
-        return not self._works and self._then is None
+        """Everything landed and ``then`` ran: the buffers involved are free to reuse."""
+        return not self._works and self._then is None and self.error is None
+
+    @property
+    def in_flight(self) -> bool:
+        """Some work has not been waited for successfully: its buffers must not be freed or reused."""
+        return bool(self._works)
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+# Every handle holding works nobody has waited for yet (failed ones excluded: their
+# owners keep them). Strong references: a handle dropped without a wait stays here, so
+# a lost work shows up in ``works_in_flight()`` instead of vanishing.
+_in_flight: set[Pending] = set()
+
+
+def works_in_flight() -> int:
+    """Works issued through this module and not yet waited for (0 between steps: nothing outlives its pass)."""
+    return sum(len(p._works) for p in _in_flight)
+
+
+@contextlib.contextmanager
+def _issuing(pending: Pending) -> Iterator[None]:
+    """Issue works into ``pending``; if issuing raises, wait for those already issued before re-raising.
+
+    Afterwards ``pending`` is failed and, unless a wait failed too, holds no work, so
+    the caller may free the buffers; if it still holds works they are abandoned.
+    """
+    try:
+        yield
+    except BaseException as exc:
+        issued = len(pending._works)
+        error = pending._wait_works()
+        pending._fail(exc)
+        if issued and hasattr(exc, "add_note"):
+            left = len(pending._works)
+            exc.add_note(
+                f"megatron_fsdp.collectives: {issued} work(s) issued before this error were waited for"
+                + (f"; {left} failed too ({error!r}) and still hold their buffers" if left else "")
+            )
+        raise
 
 
 # gloo (CPU) only, both on by default; both keep the bytes and the numbers of the
@@ -125,21 +226,34 @@ def _check_no_alias(output: torch.Tensor, input: torch.Tensor, what: str) -> Non
 
 
 def all_gather(
-    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, kind: str = "all_gather"
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    kind: str = "all_gather",
+    into: Pending | None = None,
 ) -> Pending:
-    """Gather equal flat shards from every rank of ``group`` into ``output`` (counted under ``kind``)."""
+    """Gather equal flat shards from every rank of ``group`` into ``output`` (counted under ``kind``).
+
+    ``into``: a handle the caller already holds, which receives each work as it is
+    issued, so that after an error the caller still sees what may be writing into
+    ``output`` (see ``_issuing``). Returns that handle (or a new one).
+    """
     _check_no_alias(output, shard, "all_gather")
+    pending = Pending() if into is None else into
     comm_stats.record(kind, output)
     world = dist.get_world_size(group)
     if world > 1 and _is_gloo(output, group):
         n = shard.numel()
         output.narrow(0, dist.get_rank(group) * n, n).copy_(shard)
-        return Pending([
-            dist.broadcast(output.narrow(0, r * n, n), src=dist.get_global_rank(group, r), group=group, async_op=True)
-            for r in range(world)
-        ])
-    with side_stream("all_gather", output.device):
-        return Pending(_all_gather_flat(output, shard, group=group, async_op=True))
+        with _issuing(pending):
+            for r in range(world):
+                src = dist.get_global_rank(group, r)
+                pending.add(dist.broadcast(output.narrow(0, r * n, n), src=src, group=group, async_op=True))
+        return pending
+    with side_stream("all_gather", output.device), _issuing(pending):
+        pending.add(_all_gather_flat(output, shard, group=group, async_op=True))
+    return pending
 
 
 def reduce_scatter(
@@ -160,20 +274,30 @@ def reduce_scatter(
     if input_is_scratch and _is_gloo(input, group):
         n = output.numel()
         piece = input.narrow(0, dist.get_rank(group) * n, n)
-        work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return Pending(work, then=lambda: output.copy_(piece))
-    with side_stream("reduce_scatter", input.device):
-        return Pending(_reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        pending = Pending(then=lambda: output.copy_(piece))
+        with _issuing(pending):
+            pending.add(dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        return pending
+    pending = Pending()
+    with side_stream("reduce_scatter", input.device), _issuing(pending):
+        pending.add(_reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True))
+    return pending
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> Pending:
     """Sum ``tensor`` in place over ``group``."""
     comm_stats.record("all_reduce", tensor)
-    return Pending(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
+    pending = Pending()
+    with _issuing(pending):
+        pending.add(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
+    return pending
 
 
 def broadcast(tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup) -> Pending:
     """Copy ``tensor`` from group rank ``src_rank`` to every rank of ``group``."""
     comm_stats.record("broadcast", tensor)
     src = dist.get_global_rank(group, src_rank)
-    return Pending(dist.broadcast(tensor, src=src, group=group, async_op=True))
+    pending = Pending()
+    with _issuing(pending):
+        pending.add(dist.broadcast(tensor, src=src, group=group, async_op=True))
+    return pending

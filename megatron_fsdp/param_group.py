@@ -267,7 +267,7 @@ class ParamGroup:
             self.refreshes += 1
 
     def start_unshard(self) -> None:
-        """Issue the all-gather of the weights (no-op if unsharded or in flight)."""
+        """Issue the all-gather of the weights (no-op if unsharded, in flight or landed)."""
         if self.state is GroupState.UNSHARDED or self._gather is not None:
             return
         self.refresh_compute()
@@ -278,34 +278,66 @@ class ParamGroup:
         # that autograd saved in forward; the values are the same ones forward
         # used, so the counter is restored once the gather lands.
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(data)
-        self._gather = all_gather(data, self.compute_shard, self.process_group)
+        # Registered before issuing: whatever happens below, the works stay in sight.
+        self._gather = Pending()
+        try:
+            all_gather(data, self.compute_shard, self.process_group, into=self._gather)
+        except BaseException:
+            if self._gather.in_flight:
+                self.unsharded.abandon()  # a failed work may still write into it; _gather stays failed
+            else:  # all_gather waited for what it had issued: nothing writes into the buffer
+                self._gather = None
+                self._version_guard.__exit__(None, None, None)
+                self.unsharded.free()
+            raise
+
+    @property
+    def gather_in_flight(self) -> bool:
+        """An all-gather was issued and not yet waited for (or it failed: see ``wait_gather``)."""
+        return self._gather is not None and not self._gather.done
+
+    def wait_gather(self) -> None:
+        """Wait for this group's all-gather, if one is in flight; its weights stay gathered.
+
+        A gather that landed is installed by the next ``finish_unshard`` without gathering
+        again, or freed by ``reshard``. If the gather failed, its error is raised here and
+        by every later unshard or reshard, and the gathered buffer is abandoned: never
+        freed nor reused, since a failed work may still write into it.
+        """
+        pending = self._gather
+        if pending is None or pending.done:
+            return
+        try:
+            pending.wait()
+        except BaseException:
+            if pending.failed:
+                self.unsharded.abandon()
+            raise
+        self._version_guard.__exit__(None, None, None)
 
     def finish_unshard(self) -> None:
         """Wait for the all-gather and point the modules at the unsharded views."""
         if self.state is GroupState.UNSHARDED:
             return
         self.start_unshard()
-        if self._gather is not None:
-            self._gather.wait()
-            self._gather = None
-            self._version_guard.__exit__(None, None, None)
+        self.wait_gather()
+        self._gather = None
         self._install(self.unsharded_params)
         self.state = GroupState.UNSHARDED
 
     def reshard(self) -> None:
-        """Point the modules back at the sharded parameters and free the gathered weights."""
-        if self._gather is not None:  # a prefetch nobody consumed
-            self._gather.wait()
-            self._gather = None
-            self._version_guard.__exit__(None, None, None)
-        if self.state is GroupState.SHARDED:
-            if self.unsharded is not None:
-                self.unsharded.free()
-            return
-        self._install(self.sharded_params)
+        """Point the modules back at the sharded parameters and free the gathered weights.
+
+        A prefetch nobody consumed is waited for first: memory a collective may still
+        write into is never freed (the heap corruption of docs/design.md section 9).
+        """
+        self.wait_gather()
+        self._gather = None
+        if self.state is GroupState.UNSHARDED:
+            self._install(self.sharded_params)
+            self.state = GroupState.SHARDED
         if self.unsharded is not None:
             self.unsharded.free()
-        self.state = GroupState.SHARDED
 
     def _install(self, params: list[nn.Parameter]) -> None:
         for ref, param in zip(self.refs, params):

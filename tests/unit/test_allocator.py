@@ -92,3 +92,20 @@ def test_release_between_steps_policy():
         pool.release_tensor(pool.tensor(100, torch.float32, torch.device("cpu")))
         pool.end_of_backward()
     assert keep.stats().reserved_bytes == 400 and release.stats().reserved_bytes == 0
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_an_abandoned_buffer_keeps_its_memory_for_good(pooled):
+    """A buffer a failed collective may still write into is never freed, returned or reused."""
+    pool = BufferPool(enabled=pooled)
+    buf = FlatBuffer(10, torch.float32, torch.device("cpu"), pool=pool)
+    data = buf.allocate()
+    ptr = data.data_ptr()
+    buf.abandon()
+    buf.free()
+    assert buf.allocated and data.untyped_storage().data_ptr() == ptr
+    assert pool.stats().lent_bytes == (40 if pooled else 0)  # the slab stays on loan
+    other = FlatBuffer(10, torch.float32, torch.device("cpu"), pool=pool).allocate()
+    assert other.data_ptr() != ptr  # not lent to anyone else
+    with pytest.raises(RuntimeError, match="abandoned"):
+        buf.allocate()
