@@ -1,7 +1,8 @@
-"""Checks that exercise the harness itself: a rank killed by a signal gets the suite re-run once."""
+"""Checks that exercise the harness itself: a rank that dies fails the suite, with no second run."""
 
 from __future__ import annotations
 
+import atexit
 import os
 
 import torch.distributed as dist
@@ -9,16 +10,24 @@ import torch.distributed as dist
 from tests.distributed.harness import check
 
 SUITE = "crash"
-MARKER_ENV = "MFSDP_CRASH_MARKER"  # a path: rank 0 aborts while it does not exist, and creates it
-ALWAYS_ENV = "MFSDP_CRASH_ALWAYS"  # set: rank 0 aborts on every run
+RUNS_ENV = "MFSDP_CRASH_RUNS"  # a file every run appends a line to (counts the runs)
+MODE_ENV = "MFSDP_CRASH_MODE"  # "during": rank 0 aborts in the second check; "at_exit": after reporting all
 
 
 @check(SUITE, world_sizes=(2,))
-def rank0_aborts_on_the_first_run_only() -> None:
-    marker = os.environ[MARKER_ENV]
-    if dist.get_rank() == 0 and (not os.path.exists(marker) or os.environ.get(ALWAYS_ENV)):
-        open(marker, "w").close()
-        os.abort()
+def passes_before_the_crash() -> None:
+    if dist.get_rank() == 0:
+        with open(os.environ[RUNS_ENV], "a") as f:
+            f.write("run\n")
+    dist.barrier()
+
+
+@check(SUITE, world_sizes=(2,))
+def rank0_aborts_here() -> None:
+    if dist.get_rank() == 0:
+        if os.environ[MODE_ENV] == "during":
+            os.abort()
+        atexit.register(os.abort)  # "at_exit": a native crash while the interpreter shuts down
     dist.barrier()
 
 

@@ -18,8 +18,8 @@ import socket
 import sys
 import tempfile
 import traceback
-import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ CHECKS: dict[str, list[tuple[str, Callable[[], None]]]] = {}
 # test's captured stderr) before gloo's 120 s timeout turns a hang into a bare
 # "Application timeout" with no trace of where each rank was.
 WATCHDOG_S = 90
+# A fixed mmap threshold makes glibc return freed large blocks to the OS at once, so
+# peak-RSS checks measure tensors, not allocator caching (set for the ranks by run_suite).
+MMAP_THRESHOLD = 1 << 16
 
 
 def check(suite: str, world_sizes: tuple[int, ...] = (2, 4)):
@@ -110,20 +113,46 @@ def _worker(rank: int, world_size: int, port: int, module: str, suite: str, out_
     dist.destroy_process_group()
 
 
-def _spawn(module: str, suite: str, world_size: int) -> tuple[list[dict[str, str | None]], str | None, bool]:
-    """One run of the suite: each rank's results, why a rank died (if one did), and whether by a signal."""
-    lost, by_signal = None, False
+@dataclass
+class SuiteRun:
+    """One run of a suite: what each rank reported, and how a rank that failed to exit cleanly ended."""
+
+    per_rank: list[dict[str, str | None]]  # check name -> None (passed) or the error
+    death: str | None = None  # e.g. "process 0 terminated with signal SIGABRT"; None if every rank exited 0
+    signal: str | None = None  # the signal that killed that rank ("SIGABRT"), if one did
+
+    def failures(self, expected: list[str]) -> dict[str, list[str]]:
+        """Errors per check name (empty list: passed on every rank).
+
+        A rank that died fails every check it did not report, with its exit reason. A
+        rank that died after reporting them all (a crash at interpreter exit) fails
+        every check as well: a crash is a lost job whenever it happens, never retried.
+        """
+        failures: dict[str, list[str]] = {name: [] for name in expected}
+        for r, results in enumerate(self.per_rank):
+            for name in expected:
+                error = results.get(name, f"not reported: the rank died ({self.death or 'no results written'})")
+                if error:
+                    failures[name].append(f"rank {r}:\n{error}")
+        if self.death is not None and all(set(expected) <= set(results) for results in self.per_rank):
+            for name in expected:
+                failures[name].append(f"a rank died after reporting every check: {self.death}")
+        return failures
+
+
+def run_suite_once(module: str, suite: str, world_size: int) -> SuiteRun:
+    """Spawn ``world_size`` fresh ranks running ``suite`` once; collect what they reported."""
+    death, signal_name = None, None
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(
                 _worker, args=(world_size, free_port(), module, suite, out_dir), nprocs=world_size,
                 start_method="spawn", join=True,
             )
-        except mp.ProcessExitedException as exc:
-            # A crash at interpreter exit, after every rank wrote its results (a
-            # PyTorch/gloo shutdown issue, see docs/api.md), does not void them;
-            # checks a dead rank never reported fail with its exit reason.
-            lost, by_signal = str(exc), getattr(exc, "signal_name", None) is not None
+        except mp.ProcessExitedException as exc:  # a signal or a non-zero exit code
+            death, signal_name = str(exc), exc.signal_name
+        except mp.ProcessRaisedException as exc:  # an exception outside any check (set-up, import)
+            death = str(exc).strip()
         per_rank = []
         for r in range(world_size):
             path = os.path.join(out_dir, f"rank{r}.json")
@@ -132,35 +161,14 @@ def _spawn(module: str, suite: str, world_size: int) -> tuple[list[dict[str, str
                     per_rank.append(json.load(f))
             else:
                 per_rank.append({})
-    return per_rank, lost, by_signal
+    return SuiteRun(per_rank, death, signal_name)
 
 
 def run_suite(module: str, suite: str, world_size: int) -> dict[str, list[str]]:
-    """Spawn ``world_size`` ranks running ``suite``; return failures per check name.
-
-    A rank killed by a signal before reporting every check (an intermittent native
-    crash, docs/design.md section 9) gets the suite run once more, with a warning
-    that pytest prints; a second such crash fails the unreported checks.
-    """
-    # A fixed mmap threshold makes glibc return freed large blocks to the OS at
-    # once, so peak-RSS checks measure tensors, not allocator caching.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
+    """Spawn ``world_size`` ranks running ``suite``; return failures per check name (see ``SuiteRun``)."""
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
     __import__(module)  # the checks' names, to report any a rank never finished
-    expected = names(suite, world_size)
-    per_rank, lost, by_signal = _spawn(module, suite, world_size)
-    if by_signal and any(set(expected) - set(results) for results in per_rank):
-        warnings.warn(f"{suite}@{world_size}: a rank crashed ({lost}); the suite was run again", stacklevel=2)
-        per_rank, lost, by_signal = _spawn(module, suite, world_size)
-    for results in per_rank:
-        for name in expected:
-            results.setdefault(name, f"not reported: the rank died ({lost or 'no results written'})")
-    failures: dict[str, list[str]] = {}
-    for r, results in enumerate(per_rank):
-        for name, error in results.items():
-            failures.setdefault(name, [])
-            if error:
-                failures[name].append(f"rank {r}:\n{error}")
-    return failures
+    return run_suite_once(module, suite, world_size).failures(names(suite, world_size))
 
 
 def pytest_suite(checks_module, world_sizes: tuple[int, ...] = (2, 4)):
