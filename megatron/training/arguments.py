@@ -232,11 +232,17 @@ def _validate_fsdp(args: argparse.Namespace) -> None:
     if instances < 1 or args.data_parallel_size % instances:
         _fail(f"--num-distributed-optimizer-instances ({instances}) must divide the data-parallel size "
               f"({args.data_parallel_size})")
+    if args.use_nccl_ub:  # in both modes: PyTorch DDP (the baseline) registers no user buffers either
+        _fail("--use-nccl-ub is not supported by this front-end: NCCL user-buffer registration needs persistent "
+              "registered buffers, and megatron_fsdp's are pooled per use (see docs/options.md); the DDP baseline "
+              "(PyTorch DDP) has no user-buffer registration")
     if not args.use_megatron_fsdp:
         for flag, on in (("--data-parallel-sharding-strategy", args.data_parallel_sharding_strategy != "no_shard"),
                          ("--outer-dp-sharding-strategy", args.outer_dp_sharding_strategy != "no_shard"),
                          ("--init-model-with-meta-device", args.init_model_with_meta_device),
                          ("--fsdp-double-buffer", args.fsdp_double_buffer),
+                         ("--grad-reduce-in-bf16 (the DDP baseline reduces its fp32 gradients in fp32)",
+                          args.grad_reduce_in_bf16),
                          ("--ckpt-format fsdp_dtensor", args.ckpt_format == "fsdp_dtensor"),
                          ("--num-distributed-optimizer-instances > 1", instances > 1)):
             if on:
@@ -263,9 +269,6 @@ def _validate_fsdp(args: argparse.Namespace) -> None:
         _fail("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are mutually exclusive")
     if args.grad_reduce_in_bf16 and not args.bf16:
         _fail("--grad-reduce-in-bf16 requires --bf16")
-    if args.use_nccl_ub:
-        _fail("--use-nccl-ub is not supported by megatron_fsdp: NCCL user-buffer registration needs persistent "
-              "registered buffers, and ours are pooled per use (see docs/options.md)")
     if args.fsdp_double_buffer:
         _fail("--fsdp-double-buffer is not supported by megatron_fsdp: persistent double buffers serve NCCL user "
               "buffers; memory is bounded by the prefetch depth instead (see docs/options.md)")

@@ -34,7 +34,9 @@ def test_derived_values():
     (["--use-megatron-fsdp", "--outer-dp-sharding-strategy", "optim"],
      "--outer-dp-sharding-strategy optim requires --num-distributed-optimizer-instances > 1"),
     (["--use-megatron-fsdp", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 requires --bf16"),
-    (["--use-megatron-fsdp", "--use-nccl-ub"], "--use-nccl-ub is not supported by megatron_fsdp"),
+    (["--use-megatron-fsdp", "--use-nccl-ub"], "--use-nccl-ub is not supported by this front-end"),
+    (["--use-nccl-ub"], "--use-nccl-ub is not supported by this front-end"),  # not ignored by the DDP baseline
+    (["--bf16", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 (the DDP baseline reduces its fp32 gradients"),
     (["--use-megatron-fsdp", "--fsdp-double-buffer"], "--fsdp-double-buffer is not supported by megatron_fsdp"),
     (["--seq-length", "80", "--max-position-embeddings", "64"], "--seq-length (80) must be <= "),
     (["--fp16"], "use --bf16"),
