@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..config import validate_ddp_config
+from ..config import check_adapter_options
 from ..megatron_fsdp import TransparentWrapper
 
 
@@ -32,17 +32,6 @@ def _base_class() -> type:
 
 
 _BASE = _base_class()
-
-# Fields whose values our engine can honour or that only tune performance; any
-# other field set away from megatron-core's default is rejected by name.
-_UNSUPPORTED_WHEN_SET = {
-    "fp8_param_gather": "FP8 parameter all-gather needs TransformerEngine FP8 parameters (not supported yet)",
-    "keep_fp8_transpose_cache": "FP8 transpose caches need TransformerEngine FP8 parameters (not supported yet)",
-    "reuse_grad_buf_for_mxfp8_param_ag": "MXFP8 parameter all-gather needs TransformerEngine (not supported yet)",
-    "reduce_scatter_with_fp32_accumulation": "use grad_reduce_in_fp32=True (reduce in fp32) instead",
-    "delay_wgrad_compute": "delayed weight-gradient computation is not supported by megatron_fsdp",
-    "check_for_large_grads": "the large-gradient check is not supported by megatron_fsdp; use check_for_nan_in_grad",
-}
 
 
 def default_unit_modules(module: nn.Module) -> list[type]:
@@ -94,19 +83,16 @@ class FullyShardedDataParallel(TransparentWrapper, _BASE):
         else:
             super().__init__(config=config, module=module)
         if pg_collection is not None:
-            raise ValueError(
+            raise NotImplementedError(
                 "FullyShardedDataParallel(pg_collection=...) is not supported: megatron_fsdp shards over the "
-                "default process group (HSDP via ddp_config.num_distributed_optimizer_instances)"
+                "default process group (HSDP via ddp_config.num_distributed_optimizer_instances); pass None"
             )
-        validate_ddp_config(ddp_config)
+        check_adapter_options(ddp_config)  # each field's status: megatron_fsdp.config.DDP_CONFIG_STATUS
         if not getattr(ddp_config, "use_megatron_fsdp", False) and not getattr(ddp_config, "use_custom_fsdp", False):
             raise ValueError(
                 "FullyShardedDataParallel needs DistributedDataParallelConfig.use_megatron_fsdp=True "
                 "(use megatron-core's DistributedDataParallel otherwise)"
             )
-        for name, why in _UNSUPPORTED_WHEN_SET.items():
-            if getattr(ddp_config, name, False):
-                raise ValueError(f"DistributedDataParallelConfig.{name}=True: {why}")
         self.config = config
         self.ddp_config = ddp_config
         units = fsdp_unit_modules if fsdp_unit_modules is not None else default_unit_modules(module)
@@ -139,6 +125,7 @@ class FullyShardedDataParallel(TransparentWrapper, _BASE):
             fsdp_double_buffer=getattr(ddp_config, "fsdp_double_buffer", False),
             disable_symmetric_registration=getattr(ddp_config, "disable_symmetric_registration", False),
             fsdp_manual_registration=getattr(ddp_config, "fsdp_manual_registration", False),
+            disable_bucketing=disable_bucketing,
         )
 
     # -- what Megatron's training loop calls ---------------------------------

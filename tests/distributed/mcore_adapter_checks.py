@@ -9,6 +9,7 @@ data-parallel base class.
 from __future__ import annotations
 
 import copy
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -149,13 +150,20 @@ def bad_configs_name_the_field() -> None:
     base = tiny_gpt()
     expect_error(ValueError, "use_megatron_fsdp=True", lambda: FullyShardedDataParallel(
         model_config(), DistributedDataParallelConfig(), copy.deepcopy(base)))
-    expect_error(ValueError, "fp8_param_gather", lambda: adapter("optim", base, fp8_param_gather=True))
+    expect_error(NotImplementedError, "fp8_param_gather", lambda: adapter("optim", base, fp8_param_gather=True))
+    expect_error(NotImplementedError, "disable_bucketing=True", lambda: FullyShardedDataParallel(
+        model_config(), DistributedDataParallelConfig(use_megatron_fsdp=True), copy.deepcopy(base),
+        disable_bucketing=True))
+    with warnings.catch_warnings(record=True) as caught:  # accepted, no effect, and said so
+        warnings.simplefilter("always")
+        adapter("optim", base, bucket_size=1 << 20)
+    assert any("bucket_size=1048576 has no effect" in str(w.message) for w in caught), [str(w.message) for w in caught]
     expect_error(ValueError, "num_distributed_optimizer_instances=3", lambda: adapter(
         "optim", base, num_distributed_optimizer_instances=3))
     bad = DistributedDataParallelConfig(use_megatron_fsdp=True)
     bad.data_parallel_sharding_strategy = "zero3"
     expect_error(ValueError, "data_parallel_sharding_strategy='zero3'", lambda: FullyShardedDataParallel(
         model_config(), bad, copy.deepcopy(base)))
-    expect_error(ValueError, "pg_collection", lambda: FullyShardedDataParallel(
+    expect_error(NotImplementedError, "pg_collection", lambda: FullyShardedDataParallel(
         model_config(), DistributedDataParallelConfig(use_megatron_fsdp=True), copy.deepcopy(base),
         pg_collection=object()))

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
+from megatron_fsdp.config import DDP_CONFIG_STATUS, DistributedDataParallelConfig, check_adapter_options
 from megatron_fsdp.fully_shard import fully_shard
 from megatron_fsdp.fully_shard_model import (
     _REJECTED,
@@ -41,6 +44,7 @@ def test_every_readme_option_is_accepted() -> None:
 def test_every_option_is_documented_with_a_status() -> None:
     with open(DOCS) as f:
         text = f.read()
+    text = text[: text.index("## The Megatron adapter")]  # fully_shard_model's table only
     rows = dict(re.findall(r"^\| `(\w+)` \|[^|]*\| \*\*(\w+)", text, flags=re.M))
     assert set(rows) == set(FULLY_SHARD_MODEL_OPTIONS), set(rows) ^ set(FULLY_SHARD_MODEL_OPTIONS)
     assert set(rows.values()) <= {"implemented", "mapped", "rejected", "validated", "native"}, set(rows.values())
@@ -123,3 +127,57 @@ def test_fully_shard_dispatch_errors_before_any_process_group() -> None:
         fully_shard(nn.Linear(2, 2), "adam")
     with pytest.raises(TypeError, match=r"mesh= belongs to the per-module form \(use device_mesh=...\)"):
         fully_shard(nn.Linear(2, 2), mesh=object(), fsdp_unit_modules=[nn.Linear])
+
+
+# -- the Megatron adapter's DistributedDataParallelConfig (issue 11 item 5) ------------------------
+
+NO_EFFECT_VALUES = {"bucket_size": 1 << 20, "suggested_communication_unit_size": 1 << 24,
+                    "pad_buckets_for_high_nccl_busbw": True, "gradient_reduce_div_fusion": False}
+
+
+def test_every_ddp_config_field_has_a_status_in_code_and_docs() -> None:
+    names = [f.name for f in dataclasses.fields(DistributedDataParallelConfig)]
+    assert set(DDP_CONFIG_STATUS) == set(names), set(DDP_CONFIG_STATUS) ^ set(names)
+    with open(DOCS) as f:
+        text = f.read()
+    section = text[text.index("## The Megatron adapter"):]
+    rows = dict(re.findall(r"^\| `(\w+)` \|[^|]*\| \*\*([\w ]+)\*\*", section, flags=re.M))
+    assert set(rows) >= set(names), set(names) - set(rows)
+    for name in names:
+        assert rows[name] == DDP_CONFIG_STATUS[name][0], (name, rows[name], DDP_CONFIG_STATUS[name][0])
+    no_effect = {n for n, (status, _) in DDP_CONFIG_STATUS.items() if status == "no effect"}
+    assert no_effect == set(NO_EFFECT_VALUES) | {"align_param_gather"}, no_effect
+
+
+def test_ddp_config_defaults_pass_silently() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_adapter_options(DistributedDataParallelConfig(use_megatron_fsdp=True))
+        # Megatron-LM turns align_param_gather on by default: accepted without a warning.
+        check_adapter_options(DistributedDataParallelConfig(use_megatron_fsdp=True, align_param_gather=True))
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (s, _) in DDP_CONFIG_STATUS.items() if s == "rejected"))
+def test_rejected_ddp_config_field_raises_naming_it(name: str) -> None:
+    config = DistributedDataParallelConfig(use_megatron_fsdp=True, **{name: True})
+    with pytest.raises(NotImplementedError, match=rf"DistributedDataParallelConfig\.{name}=True is not supported"):
+        check_adapter_options(config)
+
+
+@pytest.mark.parametrize("name", sorted(NO_EFFECT_VALUES))
+def test_no_effect_ddp_config_field_warns_with_the_reason(name: str) -> None:
+    value = NO_EFFECT_VALUES[name]
+    config = DistributedDataParallelConfig(use_megatron_fsdp=True, **{name: value})
+    with pytest.warns(UserWarning, match=rf"{name}={value!r} has no effect with megatron_fsdp: ") as caught:
+        check_adapter_options(config)
+    assert DDP_CONFIG_STATUS[name][1] in str(caught[0].message)
+
+
+def test_distributed_optimizer_with_no_shard_warns() -> None:
+    config = DistributedDataParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True)
+    with pytest.warns(UserWarning, match="optimizer state stays replicated"):
+        check_adapter_options(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_adapter_options(DistributedDataParallelConfig(
+            use_megatron_fsdp=True, use_distributed_optimizer=True, data_parallel_sharding_strategy="optim"))
