@@ -283,13 +283,13 @@ def _train(args, model, optimizer, scheduler, forward_step, train_iter, valid_it
         started = time.perf_counter()
         loss, norm, stepped = train_step(args, model, optimizer, forward_step, train_iter, device)
         iteration += 1
-        lr = optimizer.param_groups[0]["lr"]
         if not stepped and args.check_for_nan_in_loss_and_grad:
-            raise _nan_error(args, model, device, iteration, loss, norm, lr)
+            raise _nan_error(args, model, device, iteration, loss, norm, optimizer.param_groups[0]["lr"])
         args.consumed_train_samples += args.global_batch_size
         if stepped:
             scheduler.step()
             advanced += 1
+        lr = optimizer.param_groups[0]["lr"]  # after the schedule's step, as Megatron logs it
         result.losses[iteration], result.grad_norms[iteration] = loss, norm
         result.iteration = iteration
         window.add(time.perf_counter() - started, loss, stepped)

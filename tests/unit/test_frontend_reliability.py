@@ -128,6 +128,8 @@ def test_healthy_run_reports_a_nonzero_throughput(runs):
     figures = [float(x) for x in re.findall(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.e+-]+) \|", log)]
     assert len(figures) == 2 and all(0 < x < 1 for x in figures), log  # a CPU run: well under 1 TFLOP/s
     assert runs[0]["healthy"]["iteration"] == 4
+    # the learning rate logged is the one after the schedule's step, as Megatron logs it (linear decay over 4)
+    assert "iteration        2/       4 |" in log and "learning rate: 5.000000E-04 |" in log
     assert "WARNING: --eval-interval 2 is given but --split 100,0,0 leaves the validation split" in log
 
 
