@@ -142,6 +142,7 @@ class SuiteRun:
 
 def run_suite_once(module: str, suite: str, world_size: int) -> SuiteRun:
     """Spawn ``world_size`` fresh ranks running ``suite`` once; collect what they reported."""
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
     death, signal_name = None, None
     with tempfile.TemporaryDirectory() as out_dir:
         try:
@@ -166,7 +167,6 @@ def run_suite_once(module: str, suite: str, world_size: int) -> SuiteRun:
 
 def run_suite(module: str, suite: str, world_size: int) -> dict[str, list[str]]:
     """Spawn ``world_size`` ranks running ``suite``; return failures per check name (see ``SuiteRun``)."""
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
     __import__(module)  # the checks' names, to report any a rank never finished
     return run_suite_once(module, suite, world_size).failures(names(suite, world_size))
 
