@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from .datasets.builder import build_train_valid_test_datasets, train_valid_test_num_samples
+from .datasets.builder import build_train_valid_test_datasets, parse_data_path, train_valid_test_num_samples
+from .datasets.indexed_dataset import IndexedDataset
 from .tokenizer import build_tokenizer
 
 
@@ -89,6 +90,19 @@ def build_pretraining_data_loader(
         # torch RNG that draw would shift dropout masks after a checkpoint's RNG state is restored.
         generator=torch.Generator().manual_seed(0),
     )
+
+
+def check_data_files(args: Any) -> None:
+    """Open every ``--data-path`` prefix once (missing or truncated files raise, naming the file).
+
+    Costs milliseconds (the index is memory-mapped and checked, no token read), so the
+    front-end calls it before building the model rather than finding the fault after it.
+    """
+    if getattr(args, "mock_data", False) or not getattr(args, "data_path", None):
+        return
+    prefixes, _ = parse_data_path(args.data_path)
+    for prefix in prefixes:
+        IndexedDataset(prefix)
 
 
 def check_token_ids(batches: Iterable[dict], vocab_size: int, source: str) -> Iterator[dict]:

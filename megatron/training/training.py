@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import checkpointing
 from .arguments import parse_args, validate_args
-from .data_loader import build_train_valid_test_data_iterators
+from .data_loader import build_train_valid_test_data_iterators, check_data_files
 from .global_vars import set_args
 from .initialize import check_save_dir, initialize_distributed, print_rank_0, set_random_seed
 from .logging_utils import memory_report, num_floating_point_operations, training_log_line, validation_log_lines
@@ -55,6 +55,7 @@ def pretrain(
     validate_args(args, dist.get_world_size())
     if args.save:
         check_save_dir(args.save)
+    check_data_files(args)  # missing or truncated --data-path files: before the model is built
     if args.deterministic_mode:
         torch.use_deterministic_algorithms(True)
     set_args(args)
