@@ -211,3 +211,19 @@ def test_save_dir_check_single_process(tmp_path):
         locked.mkdir(mode=0o500)
         with pytest.raises(RuntimeError, match="PermissionError"):
             check_save_dir(str(locked))
+
+
+def test_cli_exit_code_when_every_iteration_is_skipped():
+    """The command line, not only pretrain(): a run that trained nothing must not exit 0."""
+    import subprocess
+
+    from tests.distributed.harness import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    argv = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--mock-data", "--vocab-size", "60",
+            "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--train-iters", "2", "--init-method-std", "1e30", "--no-check-for-nan-in-loss-and-grad"]
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0, done.stdout
+    assert "NonFiniteLossError: all 2 iterations (1 to 2) were skipped" in done.stderr, done.stderr[-3000:]
