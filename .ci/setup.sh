@@ -1,11 +1,31 @@
 #!/usr/bin/env bash
-# Create .venv with the CPU build of torch and the package (editable) plus test tools.
+# Create .venv with torch 2.13.0 (the CPU build wherever pip can get it) and the package (editable)
+# plus its test and training extras. Where torch comes from, in this order (README.md says the same):
+#   1. a torch 2.13.0 wheel in pip's --find-links locations (PIP_FIND_LINKS or pip's config), offline;
+#   2. PyTorch's CPU-only index;
+#   3. the default package index, whatever it serves for torch==2.13.0 (a CUDA build on Linux x86_64).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+TORCH_VERSION=2.13.0
+CPU_INDEX=https://download.pytorch.org/whl/cpu
 python3 -m venv .venv
-.venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e ".[test,training]"
+PIP=.venv/bin/pip
+$PIP install -q --upgrade pip >/dev/null 2>&1 || true
+has_torch() {
+  .venv/bin/python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null
+}
+if has_torch; then
+  origin="already installed"
+elif $PIP install -q --no-index --no-deps "torch==$TORCH_VERSION" >/dev/null 2>&1; then
+  origin="a local wheel (pip's find-links)"
+elif $PIP install -q --no-deps --timeout 30 --retries 1 --index-url "$CPU_INDEX" "torch==$TORCH_VERSION" >/dev/null 2>&1; then
+  origin="PyTorch's CPU index"
+else
+  origin="the default package index"
+fi
+$PIP install -q "torch==$TORCH_VERSION"  # torch's own dependencies (and torch itself after step 3)
+.venv/bin/python -c 'import sys, torch; build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"; print(f"setup: torch {torch.__version__} ({build} build) from {sys.argv[1]}")' "$origin"
+$PIP install -q -e ".[test,training]"
 # megatron-core, beside (not in) the test environment: tests/distributed/test_mcore_adapter.py runs the
 # adapter against it in a separate process, while the rest of the suite proves we work without it.
-.venv/bin/pip install -q --no-deps --target .venv/extras/mcore megatron-core==0.16.1
+$PIP install -q --no-deps --target .venv/extras/mcore megatron-core==0.16.1
