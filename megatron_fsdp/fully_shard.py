@@ -7,6 +7,9 @@ parameters of its module's subtree that no already-sharded descendant owns.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import inspect
 import weakref
 from typing import Any
 
@@ -15,15 +18,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import step_guard
 from .grad_scaling import resolve_grad_scaling
 from .init import META_BUFFERS
-from .mesh import resolve_mesh, resolve_outer_strategy
+from .mesh import OUTER_STRATEGIES, resolve_mesh, resolve_outer_strategy
 from .mixed_precision import MixedPrecisionPolicy
 from .module import FSDPModule, make_fsdp_module
 from .no_shard import is_marked_no_shard
 from .param_group import ParamGroup, ParamRef
 from .strategy import STRATEGIES, ShardingPlan, resolve_strategy
 from .unit import FSDPUnit
+from .validation import check_optional_name, check_reshard_after_forward, check_same_across_ranks, param_signature
 
 
 def default_mesh() -> DeviceMesh:
@@ -78,6 +83,36 @@ def _collect_params(module: nn.Module) -> list[ParamRef]:
             if not isinstance(child, FSDPModule):
                 stack.append((child_prefix, child))
     return list(refs.values())
+
+
+@functools.cache
+def _whole_model_keywords() -> frozenset[str]:
+    """Keywords that select the whole-model form: ``fully_shard_model``'s own options."""
+    from .fully_shard_model import FULLY_SHARD_MODEL_OPTIONS
+
+    per_module = set(inspect.signature(fully_shard).parameters)
+    return frozenset(name for name in FULLY_SHARD_MODEL_OPTIONS if name not in per_module)
+
+
+def _check_per_module_keywords(optimizer: Any, options: dict[str, Any]) -> None:
+    """Without an optimizer, only whole-model keywords may select the whole-model form."""
+    if optimizer is not None:
+        return  # the whole-model form: it names the options it does not know
+    whole_model = _whole_model_keywords()
+    unknown = [name for name in options if name not in whole_model]
+    if not unknown:
+        return
+    per_module = [n for n, p in inspect.signature(fully_shard).parameters.items()
+                  if p.kind is p.KEYWORD_ONLY]
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, per_module + sorted(whole_model), n=1)
+        parts.append(repr(name) + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise TypeError(
+        f"fully_shard(module, ...) got unknown keyword argument(s) {', '.join(parts)}; the per-module form takes "
+        f"{', '.join(per_module)}; an optimizer as second argument or a fully_shard_model option "
+        f"({', '.join(sorted(whole_model))}) selects the whole-model form"
+    )
 
 
 def _validate_params(module: nn.Module, refs: list[ParamRef]) -> None:
@@ -142,6 +177,7 @@ def fully_shard(
         ``module`` itself, whose ``parameters()`` are now sharded DTensors.
     """
     if optimizer is not None or whole_model_options:
+        _check_per_module_keywords(optimizer, whole_model_options)
         from .fully_shard_model import fully_shard_whole_model
 
         per_module = dict(mesh=mesh, sharding_strategy=sharding_strategy, reshard_after_forward=reshard_after_forward,
@@ -155,9 +191,16 @@ def fully_shard(
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
     plan = resolve_strategy(sharding_strategy)
+    reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
     scaling = resolve_grad_scaling(gradient_scaling)
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a megatron_fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(outer_sharding_strategy, str):
+        raise TypeError(
+            f"outer_sharding_strategy must be one of {OUTER_STRATEGIES} (a str), got {outer_sharding_strategy!r}"
+        )
+    check_optional_name("dp_shard_dim", dp_shard_dim)
+    check_optional_name("dp_outer_dim", dp_outer_dim)
     mesh = default_mesh() if mesh is None else mesh
     dp_mesh = resolve_mesh(mesh, dp_shard_dim, dp_outer_dim)
     if resolve_outer_strategy(outer_sharding_strategy, dp_mesh) == "optim":
@@ -171,10 +214,13 @@ def fully_shard(
     refs = _collect_params(module)
     _validate_params(module, refs)
     device = mesh_device(dp_mesh.mesh)
+    groups = [dp_mesh.shard_group] + ([dp_mesh.outer_group] if dp_mesh.has_outer else [])
+    signatures = [param_signature(ref.fqn, ref.param, ref.replicated) for ref in refs]
+    check_same_across_ranks(type(module).__name__, signatures, groups, device)
     if refs and all(ref.replicated for ref in refs):
-        # Everything is fsdp_no_shard: no unit, no hooks; the enclosing unit
-        # keeps these parameters in its replicated group.
-        return module
+        # Only replicated (0-dim or fsdp_no_shard) parameters: still a unit, so their
+        # gradients are all-reduced like DDP's; nothing to gather or shard.
+        plan = STRATEGIES["no_shard"]
 
     unit = FSDPUnit(module, plan, reshard_after_forward, scaling, mp_policy)
     by_kind: dict[tuple[torch.dtype, bool, bool], list[ParamRef]] = {}
@@ -190,6 +236,7 @@ def fully_shard(
         for param in group.sharded_params:
             param._megatron_fsdp_unit = weakref.ref(unit)
     _move_buffers(module, device)
+    step_guard.watch(unit)
     module.register_state_dict_pre_hook(unit.release_before_state_dict)
     module.register_load_state_dict_pre_hook(unit.prepare_state_dict_for_load)
     return make_fsdp_module(module, unit)

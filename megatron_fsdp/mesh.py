@@ -70,6 +70,7 @@ def resolve_mesh(
     """Pick the data-parallel dimensions of ``mesh`` (see module docstring)."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    check_rank_in_mesh(mesh)
     names = _names(mesh)
     if dp_shard_dim is None and dp_outer_dim is None:
         if mesh.ndim in (1, 2):
@@ -95,6 +96,25 @@ def resolve_mesh(
             f"(mesh dimensions: {names})"
         )
     return DataParallelMesh(mesh[(dp_outer_dim, dp_shard_dim)])
+
+
+def mesh_ranks(mesh: DeviceMesh) -> list[int]:
+    """The global ranks of ``mesh``, row-major."""
+    return [int(r) for r in mesh.mesh.flatten().tolist()]
+
+
+def check_rank_in_mesh(mesh: DeviceMesh, argument: str = "mesh") -> None:
+    """ValueError naming the mesh and this rank if this rank is not one of its ranks.
+
+    (Without it, DeviceMesh.get_group fails later with a bare IndexError.)
+    """
+    if mesh.get_coordinate() is None:
+        names = f" with dimensions {_names(mesh)}" if _names(mesh) else ""
+        raise ValueError(
+            f"{argument}: this rank ({dist.get_rank()}) is not in the {mesh.device_type} DeviceMesh of shape "
+            f"{tuple(mesh.shape)}{names} over ranks {mesh_ranks(mesh)}; every rank that calls fully_shard must be "
+            "part of the mesh it passes (build the mesh over all data-parallel ranks, e.g. init_device_mesh)"
+        )
 
 
 def _is_flattened(mesh: DeviceMesh, name: str) -> bool:

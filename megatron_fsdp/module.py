@@ -15,6 +15,7 @@ from torch import nn
 
 from .grad_scaling import resolve_grad_scaling
 from .unit import FSDPUnit
+from .validation import check_bool, check_reshard_after_forward
 
 _UNIT_ATTR = "_megatron_fsdp_unit"
 
@@ -47,19 +48,26 @@ class FSDPModule:
         self.fsdp_unit.mark_weights_stale()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """Reduce gradients in backward (True) or accumulate them locally (False)."""
+        """Reduce gradients in backward (True) or accumulate them locally (False).
+
+        Gradients accumulated with False must be reduced before the optimizer
+        steps (a backward with True, or ``MegatronFSDP.finish_grad_sync()``);
+        an optimizer step on parameters whose gradients are still unreduced raises.
+        """
+        flag = check_bool("requires_gradient_sync", requires_gradient_sync, where="set_requires_gradient_sync")
         for unit in self._fsdp_units(recurse):
-            unit.requires_gradient_sync = bool(requires_gradient_sync)
+            unit.requires_gradient_sync = flag
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Free (ZeRO-3) weights after forward, or keep them for backward."""
+        flag = check_reshard_after_forward(reshard_after_forward, where="set_reshard_after_forward")
         for unit in self._fsdp_units(recurse):
-            unit.reshard_after_forward = bool(reshard_after_forward)
+            unit.reshard_after_forward = flag
 
     def set_prefetch_depth(self, depth: int, *, recurse: bool = True) -> None:
         """How many units ahead (in the recorded forward order) to all-gather early; 0 disables."""
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
-            raise ValueError(f"prefetch depth must be a non-negative int, got {depth!r}")
+            raise ValueError(f"set_prefetch_depth: depth must be a non-negative int, got {depth!r}")
         for unit in self._fsdp_units(recurse):
             unit.prefetch_depth = depth
 
@@ -71,7 +79,11 @@ class FSDPModule:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients without reducing them inside the block."""
+        """Accumulate gradients without reducing them inside the block.
+
+        Run the step's last backward outside it (or call
+        ``MegatronFSDP.finish_grad_sync()``) before the optimizer steps.
+        """
         previous = [(u, u.requires_gradient_sync) for u in self._fsdp_units(True)]
         self.set_requires_gradient_sync(False)
         try:

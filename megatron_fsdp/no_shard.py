@@ -2,9 +2,11 @@
 
 A frozen vision tower inside a sharded language model gains nothing from
 sharding and pays an all-gather per use. Marked parameters go into a
-replicated group of the enclosing unit: no all-gather, no reduce-scatter, and
-gradients (if any) all-reduced. ``fully_shard`` on a module whose parameters
-are all marked returns it unwrapped, so such a module carries no hooks.
+replicated group of the unit that owns them: no all-gather, no reduce-scatter,
+and gradients (if any) all-reduced and averaged like DDP's. ``fully_shard`` on
+a module whose parameters are all marked (or 0-dim) still makes it a unit, with
+the ``no_shard`` plan: replicated means all-reduced, and a module left unwrapped
+would never have its gradients reduced if no enclosing unit follows (the root).
 """
 
 from __future__ import annotations

@@ -1,0 +1,126 @@
+"""An optimizer step never runs while gradients it needs are still unreduced.
+
+Gradient accumulation defers reductions: ``microbatch(..., is_last=False)``
+for full-size gradients (``no_shard``, ``optim``), ``no_sync()`` and
+``set_requires_gradient_sync(False)`` for every strategy. The accumulated
+gradients then sit in a unit's flat gradient buffer, and the sharded
+parameters' ``.grad`` lack them. A plain ``torch.optim`` optimizer stepped
+then would update nothing (or use a partial gradient) without a word.
+
+The engine never sees a plain optimizer (it is built after ``fully_shard``
+from ``model.parameters()``), so the check is torch's global step pre-hook,
+registered once at the first ``fully_shard``. Per step it reads one flag per
+group of every live unit; only when one has pending gradients does it look
+for that unit's parameters in the optimizer, and raise naming the module.
+The same hook releases gathered weights a unit kept past the end of its
+backward (they would be stale after the step), so the next forward re-gathers.
+``fully_shard_optimizer`` reduces pending gradients itself before stepping
+(``sync_grad_before_optimizer_step=True``), so it passes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from .param_group import GroupState, ParamGroup
+from .unit import TrainingState
+
+if TYPE_CHECKING:
+    from .unit import FSDPUnit
+
+_UNITS: weakref.WeakSet[FSDPUnit] = weakref.WeakSet()
+_HANDLE: RemovableHandle | None = None
+
+
+def watch(unit: FSDPUnit) -> None:
+    """Check ``unit``'s gradients before every optimizer step that holds its parameters."""
+    global _HANDLE
+    _UNITS.add(unit)
+    if _HANDLE is None:
+        _HANDLE = register_optimizer_step_pre_hook(check_before_step)
+
+
+def _module_name(unit: FSDPUnit) -> str:
+    """``'blocks.0' (Block)`` relative to the unit's root, or the class name before the first forward."""
+    from .module import FSDPModule
+
+    module = unit.module
+    cls = next(c for c in type(module).__mro__[1:] if not issubclass(c, FSDPModule)).__name__
+    root = unit.root_state.root.module if unit.root_state is not None else None
+    if root is not None:
+        for name, candidate in root.named_modules():
+            if candidate is module:
+                return f"'{name}' ({cls})" if name else f"the root ({cls})"
+    return cls
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()
+
+
+def _stepped_by(optimizer: torch.optim.Optimizer) -> Callable[[ParamGroup], bool]:
+    """Does ``optimizer`` hold a parameter of a group? By identity, or by storage: while
+    ``fully_shard_optimizer`` steps on local shards, ``param_groups`` hold plain aliases
+    of the groups' main shards."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ids = {id(p) for p in params}
+    storages = {_storage(p) for p in params} - {0}
+
+    def holds(group: ParamGroup) -> bool:
+        return any(id(p) in ids for p in group.sharded_params) or _storage(group.shard) in storages
+
+    return holds
+
+
+def pending_units(optimizer: torch.optim.Optimizer) -> list[FSDPUnit]:
+    """Units holding accumulated, unreduced gradients of parameters ``optimizer`` steps."""
+    pending = [u for u in list(_UNITS) if any(g.grads_pending for g in u.groups)]
+    if not pending:
+        return []
+    holds = _stepped_by(optimizer)
+    return [u for u in pending if any(g.grads_pending and holds(g) for g in u.groups)]
+
+
+def _release_kept_weights(optimizer: torch.optim.Optimizer) -> None:
+    """Gathered weights kept past the step (``is_last=False`` on a ZeRO-2 last micro-batch, a
+    forward without backward) would be stale after it: release them; the next forward re-gathers."""
+    kept = [
+        u for u in list(_UNITS)
+        if u.state is TrainingState.IDLE and any(g.state is GroupState.UNSHARDED for g in u.groups)
+    ]
+    if not kept:
+        return
+    holds = _stepped_by(optimizer)
+    for unit in kept:
+        if any(holds(g) for g in unit.groups):
+            unit.mark_weights_stale()
+
+
+def check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Step pre-hook: raise if a parameter's reduced gradient is still missing; release kept weights."""
+    units = pending_units(optimizer)
+    if not units:
+        _release_kept_weights(optimizer)
+        return
+    named = sorted(_module_name(u) for u in units)
+    names = ", ".join(named[:4]) + (f" and {len(named) - 4} more" if len(named) > 4 else "")
+    sync_off = [u for u in units if not u.requires_gradient_sync]
+    hint = (
+        "gradient sync is still off (set_requires_gradient_sync(True) before the last micro-batch's backward); "
+        if sync_off else ""
+    )
+    raise RuntimeError(
+        f"{type(optimizer).__name__}.step(): {names} still hold gradients accumulated but not reduced across "
+        f"data-parallel ranks, so their .grad is missing or partial; {hint}call microbatch(..., is_last=True) on "
+        "the last micro-batch, leave no_sync() (or set_requires_gradient_sync(True)) before the last backward, "
+        "or reduce them first with MegatronFSDP.finish_grad_sync() (fully_shard_optimizer's step does that) "
+        "before optimizer.step()"
+    )
