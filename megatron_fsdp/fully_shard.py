@@ -160,6 +160,8 @@ def fully_shard(
             (ZeRO-2) or ``"optim_grads_params"`` (ZeRO-3), or a ZeRO stage 0-3.
         reshard_after_forward: ZeRO-3 only: free the gathered weights after
             forward and gather again for backward (the root unit never does).
+            True or False; an int (FSDP2's smaller-group reshard) raises
+            NotImplementedError, anything else TypeError.
         gradient_scaling: ``"mean"`` (average over data-parallel ranks, like DDP),
             ``"sum"`` (per-token losses normalised by the training loop), or a
             positive number every rank's gradient is multiplied by before summing.
@@ -172,6 +174,11 @@ def fully_shard(
             replicate, for meshes with more (e.g. ``tp``) dimensions.
         mp_policy: a ``MixedPrecisionPolicy`` (compute, main-weight, gradient and
             communication dtypes); default: every parameter keeps its dtype.
+
+    Every data-parallel rank must pass the same module: one all-reduce of a
+    fingerprint of its parameters checks it (``validation``). A module whose
+    parameters are all replicated (0-dim or ``fsdp_no_shard``) becomes a unit
+    with the ``no_shard`` plan, so its gradients are all-reduced.
 
     Returns:
         ``module`` itself, whose ``parameters()`` are now sharded DTensors.
