@@ -112,6 +112,12 @@ class BufferPool:
         self.lent_bytes -= slab.nbytes
         self._free.setdefault(holder.device, []).append(slab)
 
+    def forget(self, nbytes: int) -> None:
+        """A slab of ``nbytes`` lent out died with its borrower instead of coming back: stop counting it."""
+        self.lent_bytes -= nbytes
+        self.reserved_bytes -= nbytes
+        self.slabs -= 1
+
     def tensor(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D tensor of pooled memory (contents undefined); give it back with ``release_tensor``."""
         out = torch.empty(0, dtype=dtype, device=device)

@@ -10,6 +10,8 @@ sharding, optimizers or precision.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .allocator import BufferPool, default_pool
@@ -32,6 +34,7 @@ class FlatBuffer:
         self.data = torch.empty(numel, dtype=dtype, device=device)
         self._nbytes = self.data.untyped_storage().nbytes()
         self._pooled = False  # the current memory is on loan from the pool
+        self._on_loan: weakref.finalize | None = None  # tells the pool if this buffer dies holding its memory
         self.abandoned = False  # see ``abandon``
         if not allocated:
             self.free()
@@ -47,12 +50,18 @@ class FlatBuffer:
             raise RuntimeError("this buffer was abandoned after a failed collective and cannot be used again")
         if not self.allocated:
             self._pooled = self.pool.acquire(self.data.untyped_storage(), self._nbytes)
+            if self._pooled:
+                # Dropped while on loan (a model deleted with its weights gathered): the
+                # memory dies with the storage, and the pool stops counting it as lent.
+                self._on_loan = weakref.finalize(self, self.pool.forget, self.data.untyped_storage().nbytes())
+                self._on_loan.atexit = False
         return self.data
 
     def free(self) -> None:
         """Release the storage; views keep their shapes but hold no data (a no-op once abandoned)."""
         if self._nbytes and self.allocated and not self.abandoned:
             if self._pooled:
+                self._on_loan.detach()
                 self.pool.release(self.data.untyped_storage())
                 self._pooled = False
             else:

@@ -109,3 +109,23 @@ def test_an_abandoned_buffer_keeps_its_memory_for_good(pooled):
     assert other.data_ptr() != ptr  # not lent to anyone else
     with pytest.raises(RuntimeError, match="abandoned"):
         buf.allocate()
+
+
+def test_a_buffer_dropped_while_on_loan_is_not_counted_as_lent():
+    """A model deleted with its weights gathered frees the memory with it; the pool's counters follow."""
+    import gc
+
+    pool = BufferPool()
+    kept = FlatBuffer(10, torch.float32, torch.device("cpu"), pool=pool)
+    kept.allocate()
+    kept.free()  # one free slab, stays reserved
+    dropped = FlatBuffer(10, torch.float32, torch.device("cpu"), pool=pool)
+    dropped.allocate()
+    other = FlatBuffer(100, torch.float32, torch.device("cpu"), pool=pool)
+    other.allocate()  # a second slab, lent
+    del other
+    gc.collect()
+    stats = pool.stats()
+    assert (stats.lent_bytes, stats.reserved_bytes, stats.slabs) == (40, 40, 1), stats
+    dropped.free()
+    assert pool.stats().lent_bytes == 0 and pool.stats().reserved_bytes == 40
