@@ -11,7 +11,8 @@ just as the reduction that used it finishes, and taken by the next unit's backwa
 
 Stream safety (CUDA): a buffer is handed back only after ``Pending.wait()`` made the
 current stream wait for the collective that read it; zeroing it again is queued on
-that stream after it.
+that stream after it. A reduction whose wait raised never hands its buffer back: the
+collective may still be reading it (see ``collectives.Pending``).
 """
 
 from __future__ import annotations
