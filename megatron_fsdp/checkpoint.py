@@ -8,6 +8,7 @@
         extra.pt                                   the caller's rank-independent dict (rank 0, torch.save)
         checkpoint.json                            format, iteration, world size, torch version
         rng/rank_00000.pt ...                      per-rank RNG states (python, numpy, torch CPU/CUDA)
+        manifest.json                              size and SHA-256 of every file, written last
 
 ``save_checkpoint`` / ``load_checkpoint`` are what the Megatron front-end calls;
 ``save_state`` / ``load_state`` (re-exported from ``checkpoint_io``) are the same
@@ -20,6 +21,7 @@ import json
 import os
 import random
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checkpoint_dirs import resolve_committed
+from .checkpoint_integrity import CheckpointCorruptError, CheckpointIncompleteError, read_part
 from .checkpoint_io import (
     LoadResult,
+    agree,
     group_rank,
     group_size,
     is_checkpoint_dir,
@@ -36,11 +41,14 @@ from .checkpoint_io import (
     run_on_first,
     save_state,
     state_entries,
+    verify_checkpoint,
     write_file_atomically,
 )
 from .checkpoint_state import CheckpointMismatchError
 
 __all__ = [
+    "CheckpointCorruptError",
+    "CheckpointIncompleteError",
     "CheckpointMismatchError",
     "LoadResult",
     "LoadedCheckpoint",
@@ -129,11 +137,17 @@ def save_checkpoint(
     wrapper prefixes in every case. ``extra`` is a picklable dict of
     rank-independent things (scheduler state, consumed samples, args), written
     once by rank 0. Each rank's RNG states are saved too. Returns the directory.
+
+    Refuses (``ValueError``, before writing anything) an ``iteration`` below the
+    one the tracker names: the tracker would move back and later checkpoints
+    would silently stop being the ones resumed. Saving the tracker's own
+    iteration again replaces that checkpoint safely.
     """
     if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
         raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict (or None), got {type(extra).__name__}")
+    run_on_first(lambda: check_tracker_not_ahead(save_dir, iteration), process_group)
     final = iteration_dir(save_dir, iteration)
     rank, world = group_rank(process_group), group_size(process_group)
     rng = _rng_state()
@@ -154,6 +168,20 @@ def save_checkpoint(
     return path
 
 
+def check_tracker_not_ahead(save_dir: str, iteration: int) -> None:
+    """Raise ``ValueError`` if ``save_dir``'s tracker names an iteration after ``iteration``."""
+    if not os.path.isfile(os.path.join(save_dir, TRACKER_FILE)):
+        return
+    latest = read_latest_iteration(save_dir)
+    if latest > iteration:
+        raise ValueError(
+            f"refusing to save iteration {iteration} into {save_dir}: its {TRACKER_FILE} names iteration {latest}, "
+            f"and this save would move it back (a resume would start from {iteration} and skip the later "
+            f"checkpoints). Save into another directory, or remove {TRACKER_FILE} and the iter_* directories after "
+            f"{iteration} there if they are to be discarded"
+        )
+
+
 # -- load -----------------------------------------------------------------------
 def read_latest_iteration(load_dir: str) -> int:
     """The iteration named by ``load_dir/latest_checkpointed_iteration.txt``."""
@@ -163,14 +191,32 @@ def read_latest_iteration(load_dir: str) -> int:
             f"no checkpoint in {load_dir!r}: expected {TRACKER_FILE} (written by save_checkpoint) naming the "
             "latest iteration, with an iter_XXXXXXX directory beside it; or pass iteration=..."
         )
-    with open(tracker) as f:
-        text = f.read().strip()
+    text = read_part(tracker, "the latest iteration's number", lambda p: open(p, "rb").read().decode()).strip()
     if not text.isdigit():
-        raise ValueError(f"{tracker} should hold an iteration number, but holds {text!r}")
+        raise CheckpointCorruptError(f"{tracker} should hold an iteration number, but holds {text[:40]!r}")
     return int(text)
 
 
-_warned_rng = False
+def _read_info(path: str) -> dict[str, Any]:
+    def parse(file: str) -> dict[str, Any]:
+        with open(file, "rb") as f:
+            info = json.loads(f.read().decode())
+        if not isinstance(info, dict) or not isinstance(info.get("world_size"), int):
+            raise ValueError("expected a JSON object with an integer 'world_size'")
+        return info
+
+    return read_part(os.path.join(path, INFO_FILE), "the format, iteration and world size of the save", parse)
+
+
+def _read_extra(path: str) -> dict[str, Any]:
+    def parse(file: str) -> dict[str, Any]:
+        extra = torch.load(file, weights_only=False)
+        if not isinstance(extra, dict):
+            raise TypeError(f"expected a dict, found a {type(extra).__name__}")
+        return extra
+
+    return read_part(os.path.join(path, EXTRA_FILE), "the caller's extra state (e.g. scheduler, data position)",
+                     parse)
 
 
 def load_checkpoint(
@@ -183,46 +229,64 @@ def load_checkpoint(
     load_rng: bool = True,
     strict: bool = True,
     process_group: dist.ProcessGroup | None = None,
+    check_extra: Callable[[dict[str, Any]], None] | None = None,
 ) -> LoadedCheckpoint:
     """Restore what ``save_checkpoint`` wrote, at any world size and sharding strategy.
 
-    ``iteration=None`` loads the one named by the tracker file. RNG states are
-    restored only when the rank count equals the saving run's (each rank gets its
-    own); otherwise a warning is given once and they are left alone. With
-    ``strict=False`` missing, unexpected or mis-shaped keys are skipped and listed
-    in the result instead of raising ``CheckpointMismatchError``.
+    ``iteration=None`` loads the one named by the tracker file. Before anything is
+    read, every file is checked against the checkpoint's manifest, and a missing
+    part (``extra.pt``, ``checkpoint.json``, a shard, an RNG file) raises
+    ``CheckpointIncompleteError`` naming it; a damaged or unreadable one
+    ``CheckpointCorruptError``. ``check_extra(extra)``, if given, runs next, before
+    any tensor is read (e.g. to refuse a checkpoint of another model
+    configuration). RNG states are restored only when the rank count equals the
+    saving run's (each rank gets its own); otherwise a warning says so and they
+    are left alone. With ``strict=False`` missing, unexpected or mis-shaped keys
+    are skipped and listed in the result instead of raising
+    ``CheckpointMismatchError``.
     """
-    global _warned_rng
-    if iteration is None:
-        iteration = read_latest_iteration(load_dir)
-    path = iteration_dir(load_dir, iteration)
-    if not is_checkpoint_dir(path):
-        raise FileNotFoundError(
-            f"no checkpoint for iteration {iteration} in {load_dir!r}: expected the directory {path!r} holding "
-            "a complete save_checkpoint output (with its .metadata file)"
-        )
-    result: LoadResult = load_state(
-        path, model, optimizer if load_optimizer else None, strict=strict, process_group=process_group
-    )
-    extra_file = os.path.join(path, EXTRA_FILE)
-    extra = torch.load(extra_file, weights_only=False) if os.path.isfile(extra_file) else {}
-    rng_restored = False
-    if load_rng:
-        info_file = os.path.join(path, INFO_FILE)
-        saved_world = None
-        if os.path.isfile(info_file):
-            with open(info_file) as f:
-                saved_world = json.load(f).get("world_size")
-        rank, world = group_rank(process_group), group_size(process_group)
-        if saved_world == world and os.path.isfile(_rng_file(path, rank)):
-            _set_rng_state(torch.load(_rng_file(path, rank), weights_only=False))
-            rng_restored = True
-        elif not _warned_rng:
-            _warned_rng = True
-            warnings.warn(
-                f"checkpoint {path!r} was saved by {saved_world} ranks, this run has {world}: "
-                "per-rank RNG states are not restored",
-                stacklevel=2,
+    rank, world = group_rank(process_group), group_size(process_group)
+
+    def locate() -> tuple[int, str]:
+        number = read_latest_iteration(load_dir) if iteration is None else iteration
+        path = resolve_committed(iteration_dir(load_dir, number))
+        if not is_checkpoint_dir(path):
+            raise FileNotFoundError(
+                f"no checkpoint for iteration {number} in {load_dir!r}: expected the directory {path!r} holding "
+                "a complete save_checkpoint output (with its .metadata file)"
             )
-    return LoadedCheckpoint(iteration, path, extra, rng_restored, result.missing_keys, result.unexpected_keys,
+        return number, path
+
+    number, path = run_on_first(locate, process_group)
+    verify_checkpoint(path, process_group)
+    info, extra = agree(lambda: (_read_info(path), _read_extra(path)), process_group)
+    if check_extra is not None:
+        check_extra(extra)
+    saved_world = info["world_size"]
+    restore_rng = load_rng and saved_world == world
+    rng = agree(lambda: _read_rng(path, rank) if restore_rng else None, process_group)
+    result: LoadResult = load_state(
+        path, model, optimizer if load_optimizer else None, strict=strict, process_group=process_group,
+        verify=False,
+    )
+    if restore_rng:
+        _set_rng_state(rng)
+    elif load_rng:
+        warnings.warn(
+            f"checkpoint {path} was saved by {saved_world} ranks and this run has {world}: per-rank RNG states are "
+            "not restored (no rank of this run corresponds to one of the saving run), so random draws such as "
+            "dropout masks differ from those of an uninterrupted run",
+            stacklevel=2,
+        )
+    return LoadedCheckpoint(number, path, extra, restore_rng, result.missing_keys, result.unexpected_keys,
                             result.mismatched_keys)
+
+
+def _read_rng(path: str, rank: int) -> dict[str, Any]:
+    def parse(file: str) -> dict[str, Any]:
+        state = torch.load(file, weights_only=False)
+        if not isinstance(state, dict) or "python" not in state or "torch_cpu" not in state:
+            raise ValueError("expected a dict with 'python' and 'torch_cpu' RNG states")
+        return state
+
+    return read_part(_rng_file(path, rank), f"rank {rank}'s RNG states", parse)

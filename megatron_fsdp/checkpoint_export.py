@@ -26,7 +26,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from .checkpoint_io import any_rank, group_rank, read_metadata
+from .checkpoint_integrity import MANIFEST_FILE, CheckpointCorruptError, check_storage_files
+from .checkpoint_io import any_rank, group_rank, read_metadata, verify_checkpoint
 from .checkpoint_safetensors import SafetensorsWriter, TensorSpec, read_header, read_tensor
 from .checkpoint_state import MODEL_PREFIX, KeyReport, model_entries, reshard_all, settle
 from .ragged_shard import full_tensor
@@ -68,10 +69,17 @@ def read_full_tensors(checkpoint_dir: str, keys: list[str]) -> dict[str, torch.T
         if not isinstance(md, TensorStorageMetadata):
             raise KeyError(f"checkpoint {checkpoint_dir!r} has no tensor {key!r}")
         target[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(target, storage_reader=FileSystemReader(checkpoint_dir),
-                 planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(target, storage_reader=FileSystemReader(checkpoint_dir),
+                     planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    except Exception as exc:
+        raise CheckpointCorruptError(
+            f"reading {', '.join(keys)} from checkpoint {checkpoint_dir} failed ({type(exc).__name__}: {exc}); a "
+            f"file of it is likely damaged (a checkpoint with a {MANIFEST_FILE} names the file: export checks it "
+            "first)"
+        ) from exc
     return target
 
 
@@ -109,7 +117,8 @@ def export_full_state_dict(
     calls it, tensors are all-gathered one at a time and the group's first rank
     writes), or the path of a checkpoint directory (``save_state`` /
     ``save_checkpoint`` output; then it runs in the calling process alone, no
-    process group needed). Keys are FQNs without wrapper prefixes. The file
+    process group needed, and first checks every file against the checkpoint's
+    manifest). Keys are FQNs without wrapper prefixes. The file
     appears atomically (written under a temporary name, then renamed).
     """
     kind = _format(path)
@@ -120,6 +129,8 @@ def export_full_state_dict(
         specs, tensors = _model_specs(state), _iter_model(state)
         writer_here = group_rank(process_group) == 0
     elif isinstance(source, (str, os.PathLike)):
+        verify_checkpoint(os.fspath(source), collective=False)  # damaged files are named before any tensor is read
+        check_storage_files(os.fspath(source), read_metadata(os.fspath(source)))
         specs = _checkpoint_specs(os.fspath(source))
         tensors = _iter_checkpoint(os.fspath(source), specs)
         writer_here, process_group = True, None

@@ -1,12 +1,14 @@
 """Sharded save and load of a model (+ optimizer) with torch.distributed.checkpoint.
 
-``save_state`` writes into a hidden temporary directory next to the target and
-renames it into place only after every rank's data and DCP's ``.metadata`` are
-on disk, so a crash mid-save leaves no directory that looks like a checkpoint.
-``load_state`` checks the checkpoint's metadata against the model first, so a
-missing key, an unexpected key or a shape mismatch fails with the tensor's name
-(on every rank alike) before anything is read, or, with ``strict=False``, is
-skipped and reported.
+``save_state`` writes into a hidden scratch directory next to the target and
+renames it into place only after every rank's data, DCP's ``.metadata`` and the
+SHA-256 ``manifest.json`` of every file are on disk, so a crash mid-save leaves
+no directory that looks like a checkpoint (``checkpoint_dirs``). ``load_state``
+checks every file against the manifest (``checkpoint_integrity``) and the
+checkpoint's metadata against the model first, so a damaged file, a missing
+key, an unexpected key or a shape mismatch fails naming the file or tensor (on
+every rank alike) before anything is read, or, with ``strict=False``, mismatched
+keys are skipped and reported.
 
 Both are collective over ``process_group`` (default: the default group); with
 torch.distributed not initialised they run in a single process.
@@ -15,8 +17,8 @@ torch.distributed not initialised they run in a single process.
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,10 +30,26 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
+from .checkpoint_dirs import ScratchDir, clean_stale, fsync_dir, resolve_committed
+from .checkpoint_integrity import (
+    MANIFEST_FILE,
+    METADATA_FILE,
+    CheckpointCorruptError,
+    check_storage_files,
+    describe_problems,
+    hash_files,
+    list_files,
+    manifest_text,
+    read_manifest,
+    read_part,
+    share,
+    verify_files,
+)
 from .checkpoint_state import (
     KeyReport,
     apply_model_state,
     apply_optimizer_state,
+    logger,
     model_entries,
     optimizer_entries,
     plan_model_load,
@@ -39,9 +57,6 @@ from .checkpoint_state import (
     reshard_all,
     settle,
 )
-
-METADATA_FILE = ".metadata"
-TMP_MARKER = ".tmp-"
 
 
 @dataclass
@@ -98,54 +113,40 @@ def run_on_first(fn: Callable[[], Any], process_group: dist.ProcessGroup | None)
     return broadcast_from_first(result, process_group)
 
 
-# -- atomic directories -----------------------------------------------------
-def make_temporary_dir(final_dir: str, process_group: dist.ProcessGroup | None) -> str:
-    """A fresh hidden directory beside ``final_dir`` (same filesystem, so the rename is atomic)."""
-    parent, name = os.path.split(os.path.abspath(final_dir))
+# -- atomic directories and integrity --------------------------------------
+def agree(fn: Callable[[], Any], process_group: dist.ProcessGroup | None) -> Any:
+    """Run ``fn`` on every rank; if it raised on any rank, raise on every rank (its own error first).
 
-    def create() -> str:
-        os.makedirs(parent, exist_ok=True)
-        path = os.path.join(parent, f".{name}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
-        os.makedirs(path)
-        return path
-
-    return run_on_first(create, process_group)
-
-
-def commit_dir(tmp_dir: str, final_dir: str) -> None:
-    """Rename a complete ``tmp_dir`` to ``final_dir`` (replacing an older one), then fsync the parent."""
-    final_dir = os.path.abspath(final_dir)
-    old = None
-    if os.path.exists(final_dir):
-        old = f"{final_dir}{TMP_MARKER}old-{uuid.uuid4().hex[:12]}"
-        os.rename(final_dir, old)
-    os.rename(tmp_dir, final_dir)
-    _fsync_dir(os.path.dirname(final_dir))
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    For steps that read files on each rank: a failure on one rank alone would
+    leave the others waiting in the next collective.
+    """
+    result, error = None, None
+    try:
+        result = fn()
+    except Exception as exc:  # re-raised below, on every rank
+        error = exc
+    if not _distributed():
+        if error is not None:
+            raise error
+        return result
+    errors: list[Any] = [None] * group_size(process_group)
+    dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)), group=process_group)
+    if error is not None:
+        raise error
+    for rank, failure in enumerate(errors):
+        if failure is not None:
+            raise RuntimeError(f"rank {rank} of the group failed: {failure[0]}: {failure[1]}")
+    return result
 
 
 def write_file_atomically(path: str, data: bytes) -> None:
-    tmp = f"{path}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # e.g. platforms without directory handles
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def is_checkpoint_dir(path: str) -> bool:
@@ -153,12 +154,75 @@ def is_checkpoint_dir(path: str) -> bool:
 
 
 def read_metadata(path: str) -> Metadata:
+    """DCP metadata of ``path``; a missing, empty or garbled ``.metadata`` raises an error naming it."""
     if not is_checkpoint_dir(path):
         raise FileNotFoundError(
             f"{path!r} is not a torch.distributed.checkpoint directory (no {METADATA_FILE} file in it); "
             "pass the directory save_state wrote (for the Megatron layout, <save_dir>/iter_XXXXXXX)"
         )
-    return FileSystemReader(path).read_metadata()
+    metadata = read_part(os.path.join(path, METADATA_FILE), "the DCP metadata (the index of every saved tensor)",
+                         lambda _: FileSystemReader(path).read_metadata())
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptError(
+            f"{os.path.join(path, METADATA_FILE)} holds a {type(metadata).__name__}, not DCP metadata; the file was "
+            "replaced. Restore the checkpoint from a copy, or load an earlier iteration"
+        )
+    return metadata
+
+
+def write_manifest(directory: str, process_group: dist.ProcessGroup | None) -> None:
+    """Hash (and fsync) every file of ``directory``, the work shared by the group's ranks; rank 0 writes the manifest.
+
+    Collective. Called after every rank finished writing its files.
+    """
+    rank, world = group_rank(process_group), group_size(process_group)
+    files = broadcast_from_first(list_files(directory) if rank == 0 else None, process_group)
+    entries = agree(lambda: hash_files(directory, share(files, world, rank), fsync=True), process_group)
+    if _distributed():
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, entries, group=process_group)
+        entries = {k: v for part in gathered for k, v in part.items()}
+
+    def write() -> None:
+        with open(os.path.join(directory, MANIFEST_FILE), "wb") as f:
+            f.write(manifest_text(entries))
+            f.flush()
+            os.fsync(f.fileno())
+        for root, _, _ in os.walk(directory):
+            fsync_dir(root)
+
+    run_on_first(write, process_group)
+
+
+_unverified_warned: set[str] = set()
+
+
+def verify_checkpoint(path: str, process_group: dist.ProcessGroup | None = None, *, collective: bool = True) -> bool:
+    """Check every file of ``path`` against its manifest (the work shared by the group's ranks); False if none.
+
+    Raises ``CheckpointIncompleteError`` / ``CheckpointCorruptError`` naming each bad
+    file, on every rank. A directory without a manifest (written by an older
+    version, or by plain ``dcp.save``) is loaded with a warning (once per path).
+    ``collective=False``: this process alone checks every file.
+    """
+    group = process_group if collective else None
+    distributed = collective and _distributed()
+    rank, world = (group_rank(group), group_size(group)) if distributed else (0, 1)
+    expected = run_on_first(lambda: read_manifest(path), group) if distributed else read_manifest(path)
+    if expected is None:
+        if path not in _unverified_warned:
+            _unverified_warned.add(path)
+            warnings.warn(f"checkpoint {path} has no {MANIFEST_FILE} (written by an older version or by plain "
+                          "dcp.save): its files cannot be checked for damage", stacklevel=3)
+        return False
+    problems = verify_files(path, expected, share({k: v["size"] for k, v in expected.items()}, world, rank))
+    if distributed:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, problems, group=group)
+        problems = [p for part in gathered for p in part]
+    if problems:
+        raise describe_problems(path, sorted(problems, key=lambda p: p[1]))
+    return True
 
 
 # -- save / load ------------------------------------------------------------
@@ -197,30 +261,51 @@ def save_state(
 ) -> str:
     """Write ``model`` (and ``optimizer``) as a sharded DCP checkpoint at ``path``, atomically.
 
-    Every rank of ``process_group`` writes only its own shards. ``before_commit``,
-    if given, is called on every rank with the temporary directory after the DCP
-    write, to add files of its own before the directory is renamed into place.
-    Returns ``path`` (absolute).
+    Every rank of ``process_group`` writes only its own shards into a hidden
+    scratch directory beside ``path``. ``before_commit``, if given, is called on
+    every rank with that directory after the DCP write, to add files of its own.
+    Then every file is hashed into ``manifest.json`` and the directory is renamed
+    to ``path`` (an existing ``path`` is swapped out, never left missing where the
+    system can exchange directories). Scratch directories of earlier saves into
+    the same parent whose process died are removed first. Returns ``path`` (absolute).
     """
     path = os.path.abspath(path)
     entries = state_entries(model, optimizer)
-    tmp = make_temporary_dir(path, process_group)
-    error: BaseException | None = None
+    scratch: ScratchDir | None = None  # the group's first rank only
+
+    def create() -> str:
+        nonlocal scratch
+        try:
+            removed = clean_stale(os.path.dirname(path))
+        except OSError as exc:  # never fail a save for want of clean-up
+            logger.warning("could not remove the scratch of interrupted saves beside %s: %s", path, exc)
+        else:
+            if removed:
+                logger.warning("removed the scratch of interrupted saves: %s", ", ".join(removed))
+        scratch = ScratchDir(path)
+        return scratch.path
+
+    tmp = run_on_first(create, process_group)
+    committed = False
     try:
-        write_dcp(entries, tmp, process_group)
-        if before_commit is not None:
-            before_commit(tmp)
-    except Exception as exc:  # agreed on below, so no rank waits for a failed one
-        error = exc
-    if any_rank(error is not None, process_group):
-        # The hidden directory is never renamed, so never taken for a checkpoint;
-        # removing it only saves space.
-        if group_rank(process_group) == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if error is not None:
-            raise error
-        raise RuntimeError(f"saving {path!r} failed on another rank; nothing was committed")
-    run_on_first(lambda: commit_dir(tmp, path), process_group)
+        error: Exception | None = None
+        try:
+            write_dcp(entries, tmp, process_group)
+            if before_commit is not None:
+                before_commit(tmp)
+        except Exception as exc:  # agreed on below, so no rank waits for a failed one
+            error = exc
+        if any_rank(error is not None, process_group):
+            if error is not None:
+                raise error
+            raise RuntimeError(f"saving {path!r} failed on another rank; nothing was committed")
+        write_manifest(tmp, process_group)
+        run_on_first(lambda: scratch.commit(), process_group)
+        committed = True
+    finally:
+        # An uncommitted scratch directory is never taken for a checkpoint; removing it only saves space.
+        if scratch is not None:
+            scratch.close(remove=not committed)
     return path
 
 
@@ -231,16 +316,23 @@ def load_state(
     *,
     strict: bool = True,
     process_group: dist.ProcessGroup | None = None,
+    verify: bool = True,
 ) -> LoadResult:
     """Load a checkpoint written by ``save_state`` (or by DCP from PyTorch FSDP2/DDP state dicts).
 
     Works at any world size and sharding strategy: each rank reads exactly the
-    rows its own parameters and optimizer state hold. With ``strict`` (default)
-    any missing, unexpected or differently-shaped key raises
+    rows its own parameters and optimizer state hold. First every file is checked
+    against the checkpoint's ``manifest.json`` (``verify=False`` skips this, for
+    callers that just did it); a missing, truncated or damaged file raises
+    ``CheckpointIncompleteError`` / ``CheckpointCorruptError`` naming it. With
+    ``strict`` (default) any missing, unexpected or differently-shaped key raises
     ``CheckpointMismatchError`` naming it; with ``strict=False`` those keys are
     skipped, logged and returned.
     """
-    metadata = read_metadata(path)
+    path = resolve_committed(path)
+    metadata = agree(lambda: read_metadata(path), process_group)
+    verified = verify_checkpoint(path, process_group) if verify else True
+    agree(lambda: check_storage_files(path, metadata), process_group)
     reshard_all(model)
     model_targets, report = plan_model_load(model_entries(model), metadata)
     optim_plan = None
@@ -251,7 +343,16 @@ def load_state(
     entries = dict(model_targets)
     if optim_plan is not None and optim_plan.group_keys:
         entries.update(optim_plan.entries)
-    read_dcp(entries, path, process_group)
+    try:
+        read_dcp(entries, path, process_group)
+    except Exception as exc:
+        if verified:
+            raise  # the files are those that were saved: not a damaged checkpoint
+        raise CheckpointCorruptError(
+            f"reading the tensors of checkpoint {path} failed ({type(exc).__name__}: {exc}). It has no "
+            f"{MANIFEST_FILE} to check its files against; a file modified after the save is the likely cause. "
+            "Restore it from a copy, or load an earlier iteration"
+        ) from exc
     apply_model_state(model, {k: entries[k] for k in model_targets})
     if optim_plan is not None and optim_plan.group_keys:
         apply_optimizer_state(model, optimizer, optim_plan, entries)

@@ -36,6 +36,7 @@ logger = logging.getLogger("megatron_fsdp.checkpoint")
 MODEL_PREFIX = "model."
 OPTIM_STATE_PREFIX = "optim.state."
 OPTIM_GROUPS_PREFIX = "optim.param_groups."
+DESCRIBE_LIMIT = 5  # keys named per kind in an error message
 
 
 class CheckpointMismatchError(RuntimeError):
@@ -53,7 +54,8 @@ class KeyReport:
     def __bool__(self) -> bool:
         return bool(self.missing_keys or self.unexpected_keys or self.mismatched_keys)
 
-    def describe(self) -> str:
+    def describe(self, limit: int = DESCRIBE_LIMIT) -> str:
+        """Each kind with its count and its first ``limit`` keys (the lists themselves keep every key)."""
         parts = []
         for title, keys in (
             ("missing from the checkpoint", self.missing_keys),
@@ -61,7 +63,8 @@ class KeyReport:
             ("shape mismatch", self.mismatched_keys),
         ):
             if keys:
-                parts.append(f"{title}: {', '.join(keys)}")
+                more = f", ... ({len(keys) - limit} more)" if len(keys) > limit else ""
+                parts.append(f"{len(keys)} {title}: {', '.join(keys[:limit])}{more}")
         return "; ".join(parts)
 
 
