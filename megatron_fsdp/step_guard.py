@@ -80,35 +80,49 @@ def _stepped_by(optimizer: torch.optim.Optimizer) -> Callable[[ParamGroup], bool
     return holds
 
 
+def _scan() -> tuple[list[FSDPUnit], list[FSDPUnit]]:
+    """One pass over the live units: (with pending gradients, idle with gathered weights kept)."""
+    pending: list[FSDPUnit] = []
+    kept: list[FSDPUnit] = []
+    idle, unsharded = TrainingState.IDLE, GroupState.UNSHARDED
+    for unit in _UNITS:
+        gathered = False
+        for group in unit.groups:
+            if group.grad_buffer is not None and group.grads_pending:
+                pending.append(unit)
+                break
+            gathered = gathered or group.state is unsharded
+        else:
+            if gathered and unit.state is idle:
+                kept.append(unit)
+    return pending, kept
+
+
 def pending_units(optimizer: torch.optim.Optimizer) -> list[FSDPUnit]:
     """Units holding accumulated, unreduced gradients of parameters ``optimizer`` steps."""
-    pending = [u for u in list(_UNITS) if any(g.grads_pending for g in u.groups)]
+    pending, _ = _scan()
     if not pending:
         return []
     holds = _stepped_by(optimizer)
     return [u for u in pending if any(g.grads_pending and holds(g) for g in u.groups)]
 
 
-def _release_kept_weights(optimizer: torch.optim.Optimizer) -> None:
-    """Gathered weights kept past the step (``is_last=False`` on a ZeRO-2 last micro-batch, a
-    forward without backward) would be stale after it: release them; the next forward re-gathers."""
-    kept = [
-        u for u in list(_UNITS)
-        if u.state is TrainingState.IDLE and any(g.state is GroupState.UNSHARDED for g in u.groups)
-    ]
-    if not kept:
+def check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Step pre-hook: raise if a parameter's reduced gradient is still missing; release kept weights.
+
+    Gathered weights kept past the step (``is_last=False`` on a ZeRO-2 last micro-batch, a
+    forward without backward) would be stale after it: they are released, and the next
+    forward re-gathers.
+    """
+    pending, kept = _scan()
+    if not pending and not kept:
         return
     holds = _stepped_by(optimizer)
-    for unit in kept:
-        if any(holds(g) for g in unit.groups):
-            unit.mark_weights_stale()
-
-
-def check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Step pre-hook: raise if a parameter's reduced gradient is still missing; release kept weights."""
-    units = pending_units(optimizer)
+    units = [u for u in pending if any(g.grads_pending and holds(g) for g in u.groups)]
     if not units:
-        _release_kept_weights(optimizer)
+        for unit in kept:
+            if any(holds(g) for g in unit.groups):
+                unit.mark_weights_stale()
         return
     named = sorted(_module_name(u) for u in units)
     names = ", ".join(named[:4]) + (f" and {len(named) - 4} more" if len(named) > 4 else "")
