@@ -66,7 +66,11 @@ class ScratchDir:
                 pass
             else:
                 os.write(self._lock_fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
-        os.makedirs(self.path)
+        try:
+            os.makedirs(self.path)
+        except BaseException:
+            self.close(remove=False)
+            raise
 
     def commit(self) -> None:
         """Rename the complete scratch directory to ``final`` (replacing an older one safely), fsync the parent."""

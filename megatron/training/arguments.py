@@ -111,6 +111,10 @@ def _fsdp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
+    g.add_argument("--allow-fresh-start", action="store_true",
+                   help="with --load: train from scratch when it names no checkpoint (default: an error)")
+    g.add_argument("--no-load-args-check", action="store_true",
+                   help="load a checkpoint saved with other model arguments (default: an error naming them)")
     g.add_argument("--exit-interval", type=int, default=None)
 
 

@@ -3,18 +3,40 @@
 The model, optimizer, scheduler, RNG states and data position are saved in
 Megatron's layout (``DIR/iter_0000010/`` + ``DIR/latest_checkpointed_iteration.txt``)
 as sharded DCP files that load at any number of ranks and any strategy.
+
+What is refused, and why (docs/megatron.md, "Checkpoints"):
+
+- ``--load DIR`` naming no checkpoint, unless ``--allow-fresh-start``: a mistyped
+  path would otherwise train from scratch and, with ``--save`` to a real
+  checkpoint directory, overwrite it;
+- a run whose saves would move ``--save``'s tracker back to an earlier iteration;
+- a checkpoint saved with other model arguments (``MODEL_ARGS``), unless
+  ``--finetune`` or ``--no-load-args-check``: equal shapes would load silently;
+- a checkpoint missing a part (``extra.pt`` holds the data position) or with a
+  damaged file (the library checks its SHA-256 manifest).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from .initialize import print_rank_0
 from .optimizer_param_scheduler import OptimizerParamScheduler
+
+# The flags that define the model a checkpoint holds (compared at --load; saved in extra.pt's "args").
+MODEL_ARGS = (
+    "model_provider", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "max_position_embeddings", "position_embedding_type", "rotary_base", "normalization", "swiglu",
+    "untie_embeddings_and_output_weights", "vocab_size", "padded_vocab_size", "tokenizer_type",
+)
+# What a resumed run needs from extra.pt.
+RESUME_KEYS = ("scheduler", "consumed_train_samples", "consumed_valid_samples")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -24,6 +46,24 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while hasattr(model, "module") and isinstance(model.module, nn.Module) and not isinstance(model, FSDPModule):
         model = model.module
     return model
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _model_args(values: dict[str, Any]) -> dict[str, Any]:
+    """The model-defining values of ``values`` (args), with defaults spelled out (query groups = heads)."""
+    out = {k: values.get(k) for k in MODEL_ARGS if k in values}
+    if "num_query_groups" in out and out["num_query_groups"] is None:
+        out["num_query_groups"] = values.get("num_attention_heads")
+    return out
+
+
+def model_args_mismatch(saved_args: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """``--flag saved (saved) vs now (now)`` for every model-defining flag whose value changed."""
+    saved, now = _model_args(saved_args), _model_args(vars(args))
+    return [f"{_flag(k)} {saved[k]} (saved) vs {now.get(k)} (now)" for k in saved if saved[k] != now.get(k)]
 
 
 def save(args: argparse.Namespace, iteration: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -40,27 +80,103 @@ def save(args: argparse.Namespace, iteration: int, model: nn.Module, optimizer: 
     print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {path}")
 
 
+def check_save_target(args: argparse.Namespace, iteration: int) -> None:
+    """Fail at start if ``--save``'s tracker names an iteration after ``iteration`` (where this run starts).
+
+    Its saves would move the tracker back (the library refuses each of them); better
+    to say so before training than at the first save.
+    """
+    if not args.save:
+        return
+    from megatron_fsdp.checkpoint import TRACKER_FILE, read_latest_iteration
+    from megatron_fsdp.checkpoint_io import run_on_first
+
+    def check() -> None:
+        if not os.path.isfile(os.path.join(args.save, TRACKER_FILE)):
+            return
+        latest = read_latest_iteration(args.save)
+        if latest > iteration:
+            raise ValueError(
+                f"--save {args.save} already holds a checkpoint of iteration {latest} ({TRACKER_FILE}) and this run "
+                f"starts at iteration {iteration}: its saves would move the tracker back and replace those "
+                f"checkpoints. Resume it with --load {args.save}, or save into another directory"
+            )
+
+    run_on_first(check, None)
+
+
+def _locate(args: argparse.Namespace) -> str | None:
+    """None to load ``--load``; else the message of a fresh start (with --allow-fresh-start). Raises otherwise."""
+    from megatron_fsdp.checkpoint import TRACKER_FILE
+
+    tracker = os.path.join(args.load, TRACKER_FILE)
+    if os.path.isfile(tracker):
+        return None
+    iters = sorted(e for e in os.listdir(args.load) if e.startswith("iter_")) if os.path.isdir(args.load) else []
+    if iters:
+        raise FileNotFoundError(
+            f"--load {args.load} holds {', '.join(iters[:5])}{' ...' if len(iters) > 5 else ''} but no {TRACKER_FILE}"
+            f" saying which to resume: write the iteration into {tracker} (e.g. echo {iters[-1][5:].lstrip('0') or 0}"
+            f" > {tracker})"
+        )
+    where = "does not exist" if not os.path.exists(args.load) else f"holds no checkpoint (no {TRACKER_FILE})"
+    if args.allow_fresh_start:
+        return f"WARNING: --load {args.load} {where}; training from scratch (--allow-fresh-start)"
+    raise FileNotFoundError(
+        f"--load {args.load} {where}. Check the path; to train from scratch when no checkpoint exists yet (e.g. "
+        "--load and --save of the same directory, resuming automatically after the first save), pass "
+        "--allow-fresh-start"
+    )
+
+
+def _check_extra(args: argparse.Namespace) -> Callable[[dict[str, Any]], None]:
+    """The ``check_extra`` of ``load_checkpoint``: model arguments agree, and a resume has its data position."""
+
+    def check(extra: dict[str, Any]) -> None:
+        if not (args.finetune or args.no_load_args_check) and isinstance(extra.get("args"), dict):
+            differ = model_args_mismatch(extra["args"], args)
+            if differ:
+                raise ValueError(
+                    f"--load {args.load}: the checkpoint was saved with other model arguments: {'; '.join(differ)}. "
+                    "Pass the saved values, or --no-load-args-check (or --finetune) to load its weights into this "
+                    "model anyway"
+                )
+        missing = [k for k in RESUME_KEYS if k not in extra]
+        if not args.finetune and missing:
+            from megatron_fsdp.checkpoint import CheckpointCorruptError
+
+            raise CheckpointCorruptError(
+                f"--load {args.load}: the checkpoint's extra.pt lacks {', '.join(missing)} (the scheduler state "
+                "and data position pretrain_gpt.py saves); resuming without them would replay data from the "
+                "start. Load it with --finetune to take only the weights"
+            )
+
+    return check
+
+
 def load(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
          scheduler: OptimizerParamScheduler) -> int:
     """Resume from ``--load``; returns the iteration to continue from (0 for a fresh start or --finetune)."""
-    tracker = os.path.join(args.load, "latest_checkpointed_iteration.txt")
-    if not os.path.isfile(tracker):
-        print_rank_0(f"WARNING: could not find the checkpoint tracker {tracker}; training from scratch")
-        return 0
     from megatron_fsdp.checkpoint import load_checkpoint
+    from megatron_fsdp.checkpoint_io import run_on_first
 
+    fresh = run_on_first(lambda: _locate(args), None)
+    if fresh is not None:
+        print_rank_0(fresh)
+        return 0
     finetune = args.finetune
     loaded = load_checkpoint(
         args.load, unwrap_model(model), None if (finetune or args.no_load_optim) else optimizer,
         load_optimizer=not (finetune or args.no_load_optim), load_rng=not (finetune or args.no_load_rng),
+        check_extra=_check_extra(args),
     )
     print_rank_0(f"  successfully loaded checkpoint from {args.load} at iteration {loaded.iteration}")
     if finetune:
         return 0
-    extra = loaded.extra or {}
-    args.consumed_train_samples = int(extra.get("consumed_train_samples", 0))
-    args.consumed_valid_samples = int(extra.get("consumed_valid_samples", 0))
-    if "scheduler" in extra and not args.no_load_optim:
+    extra = loaded.extra
+    args.consumed_train_samples = int(extra["consumed_train_samples"])
+    args.consumed_valid_samples = int(extra["consumed_valid_samples"])
+    if not args.no_load_optim:
         scheduler.load_state_dict(extra["scheduler"])
     else:
         scheduler.num_steps = loaded.iteration

@@ -69,6 +69,7 @@ def pretrain(
     )
     args.consumed_train_samples = args.consumed_valid_samples = 0
     iteration = checkpointing.load(args, model, optimizer, scheduler) if args.load else 0
+    checkpointing.check_save_target(args, iteration)  # before training, not at the first save
     rank, dp_size = dist.get_rank(), dist.get_world_size()
     train_iter, valid_iter, _ = build_train_valid_test_data_iterators(args, rank, dp_size)
     _check_splits(args, train_iter, valid_iter, iteration)
