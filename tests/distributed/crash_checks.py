@@ -11,7 +11,8 @@ from tests.distributed.harness import check
 
 SUITE = "crash"
 RUNS_ENV = "MFSDP_CRASH_RUNS"  # a file every run appends a line to (counts the runs)
-MODE_ENV = "MFSDP_CRASH_MODE"  # "during": rank 0 aborts in the second check; "at_exit": after reporting all
+# "during": rank 0 aborts in the second check; "at_exit": after reporting all; "none": no crash
+MODE_ENV = "MFSDP_CRASH_MODE"
 
 
 @check(SUITE, world_sizes=(2,))
@@ -24,10 +25,11 @@ def passes_before_the_crash() -> None:
 
 @check(SUITE, world_sizes=(2,))
 def rank0_aborts_here() -> None:
-    if dist.get_rank() == 0:
-        if os.environ[MODE_ENV] == "during":
-            os.abort()
-        atexit.register(os.abort)  # "at_exit": a native crash while the interpreter shuts down
+    mode = os.environ[MODE_ENV]
+    if dist.get_rank() == 0 and mode == "during":
+        os.abort()
+    if dist.get_rank() == 0 and mode == "at_exit":
+        atexit.register(os.abort)  # a native crash while the interpreter shuts down
     dist.barrier()
 
 
