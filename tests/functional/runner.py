@@ -2,6 +2,8 @@
 
     python -m tests.functional.runner --regenerate     # rewrite golden_values.json (review the diff!)
     python -m tests.functional.runner                  # print each run's losses
+    python -m tests.functional.runner --regenerate --configs dropout save_dropout resume_dropout
+                                                       # (re)write only these entries, keep the others
 
 Running many short jobs inside one process group (``pretrain`` reuses an
 initialised group) keeps the CI cost to one process launch per world size.
@@ -28,7 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden_values.json")
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str) -> None:
+def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str,
+            only: list[str] | None = None) -> None:
     sys.path.insert(0, ROOT)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
@@ -40,6 +43,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str)
 
     results = {}
     for config in by_world_size(world_size):
+        if only is not None and config.name not in only:
+            continue
         log = io.StringIO()
         try:
             with contextlib.redirect_stdout(log):
@@ -47,6 +52,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str)
             results[config.name] = {
                 "lm loss": {str(k): v for k, v in sorted(run.losses.items())},
                 "grad norm": {str(k): v for k, v in sorted(run.grad_norms.items())},
+                "valid loss": {str(k): v for k, v in sorted(run.valid_losses.items())},
                 "log": log.getvalue(),
             }
         except Exception:
@@ -59,8 +65,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str)
     dist.destroy_process_group()
 
 
-def run_world(world_size: int, ckpt_root: str) -> dict:
-    """All configurations of ``world_size``: {name: {"lm loss": {iter: value}, "grad norm": ..., "log": str}}.
+def run_world(world_size: int, ckpt_root: str, only: list[str] | None = None) -> dict:
+    """Configurations of ``world_size`` (all, or those named in ``only``):
+    {name: {"lm loss": {iter: value}, "grad norm": ..., "valid loss": ..., "log": str}}.
 
     Checkpoints go under ``ckpt_root`` (run world size 2 first: 4-rank configs resume its checkpoint).
     """
@@ -68,7 +75,7 @@ def run_world(world_size: int, ckpt_root: str) -> dict:
 
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.start_processes(_worker, args=(world_size, free_port(), out_dir, ckpt_root), nprocs=world_size,
+            mp.start_processes(_worker, args=(world_size, free_port(), out_dir, ckpt_root, only), nprocs=world_size,
                                start_method="spawn", join=True)
         except mp.ProcessExitedException:
             if not os.path.exists(os.path.join(out_dir, "results.json")):
@@ -81,12 +88,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--regenerate", action="store_true", help=f"rewrite {GOLDEN}")
     parser.add_argument("--world-sizes", type=int, nargs="*", default=[2, 4])
+    parser.add_argument("--configs", nargs="*", default=None,
+                        help="run (and regenerate) only these configurations; list a resume's save too")
     args = parser.parse_args()
     sys.path.insert(0, ROOT)
     golden = {}
+    if args.configs is not None:
+        with open(GOLDEN) as f:
+            golden = {k: v for k, v in json.load(f).items() if k != "_about"}
     ckpt_root = tempfile.mkdtemp(prefix="functional-ckpt-")
     for world_size in sorted(args.world_sizes):
-        for name, result in run_world(world_size, ckpt_root).items():
+        for name, result in run_world(world_size, ckpt_root, args.configs).items():
             if "error" in result:
                 raise SystemExit(f"{name} failed:\n{result['error']}")
             golden[name] = {"lm loss": result["lm loss"], "grad norm": result["grad norm"]}

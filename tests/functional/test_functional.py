@@ -1,10 +1,15 @@
 """Functional regression: tiny GPT runs of pretrain_gpt.py against golden values and the DDP baseline.
 
-Tolerances (relative, per iteration): fp32 runs 1e-5 against their golden
-values and against DDP (the same deterministic computation up to the order of
-floating-point sums in the gradient norm); bf16 runs 1e-2; a run resumed at
-the same world size must equal the uninterrupted run exactly. Regenerate the
-golden values with ``python -m tests.functional.runner --regenerate``.
+Tolerances (relative, per iteration): checked-in golden values, written on
+another machine, are compared with 1e-5 for fp32 runs and 1e-2 for bf16 runs,
+never exactly (another CPU may take other SIMD paths). Runs of this test run
+are compared with each other: FSDP against DDP with the same tolerances (the
+order of floating-point sums differs: measured 4.9e-8 for ZeRO-2/3 at 2 ranks),
+a run saved or resumed at the same world size against the uninterrupted run
+bitwise (losses, gradient norms, validation losses), with and without dropout,
+and a resume at another world size with dropout with the tolerance stated in
+configs.py. Regenerate the golden values with
+``python -m tests.functional.runner --regenerate``.
 """
 
 from __future__ import annotations
@@ -29,9 +34,15 @@ def ckpt_root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("functional-ckpt"))
 
 
+# Every configuration's result in this test run (baselines of other world sizes are looked up here).
+SAME_RUN: dict[str, dict] = {}
+
+
 @pytest.fixture(scope="module", params=WORLD_SIZES)  # 2 before 4: the 4-rank group resumes a 2-rank checkpoint
 def runs(request, ckpt_root):
-    return request.param, run_world(request.param, ckpt_root)
+    results = run_world(request.param, ckpt_root)
+    SAME_RUN.update(results)
+    return request.param, results
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +53,24 @@ def golden():
 
 def _close(a: float, b: float, rtol: float) -> bool:
     return a == b if rtol == 0 else math.isclose(a, b, rel_tol=rtol, abs_tol=rtol * 1e-3)
+
+
+def _compare_with_baseline(name: str, result: dict, golden: dict) -> None:
+    """Against the baseline's run of this test run (``same_run_rtol``, 0: bitwise), else its golden values."""
+    config = CONFIGS[name]
+    base = SAME_RUN.get(config.baseline)
+    if base is not None and "error" not in base:
+        rtol, keys, source = config.same_run_rtol, ("lm loss", "grad norm", "valid loss"), "this run's"
+    else:  # the baseline did not run now (-k): its golden values, never exactly
+        base, rtol, keys, source = golden[config.baseline], config.rtol, ("lm loss",), "golden"
+    for key in keys:
+        if key == "grad norm" and rtol != 0:
+            continue  # the norm's sum order differs between strategies; the losses carry the comparison
+        for it, value in result.get(key, {}).items():
+            if it in base.get(key, {}):
+                assert _close(value, base[key][it], rtol), (
+                    f"{name} vs {source} {config.baseline} {key} at iteration {it}: {value!r} vs {base[key][it]!r} "
+                    f"(rtol {rtol})")
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -64,11 +93,7 @@ def test_config(runs, golden, name):
     else:
         pytest.fail(f"no golden values for {name}: run python -m tests.functional.runner --regenerate")
     if config.baseline is not None:
-        base = results.get(config.baseline) or golden[config.baseline]
-        base = {int(k): v for k, v in base["lm loss"].items()}
-        for it, value in losses.items():
-            assert _close(value, base[it], config.rtol), (
-                f"{name} vs {config.baseline} at iteration {it}: {value!r} vs {base[it]!r} (rtol {config.rtol})")
+        _compare_with_baseline(name, result, golden)
     if config.first_iteration == 1 and config.last_iteration >= 16:
         assert losses[16] < losses[1] - 0.3, f"{name}: loss did not fall: {losses}"
 
