@@ -129,6 +129,11 @@ class Pending:
         return not self._works and self._then is None and self.error is None
 
     @property
+    def landed(self) -> bool:
+        """Every work completed (checked without waiting); ``wait()`` then returns at once."""
+        return all(getattr(w, "is_completed", lambda: True)() for w in self._works)
+
+    @property
     def in_flight(self) -> bool:
         """Some work has not been waited for successfully: its buffers must not be freed or reused."""
         return bool(self._works)
@@ -301,3 +306,9 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup) -> 
     with _issuing(pending):
         pending.add(dist.broadcast(tensor, src=src, group=group, async_op=True))
     return pending
+
+
+def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Element-wise maximum of ``tensor`` over ``group``, in place, waited for (control rounds)."""
+    comm_stats.record("control", tensor)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)

@@ -29,6 +29,7 @@ from .collectives import broadcast
 from .grad_norm import check_grads_finite, clip_grad_norm_, sharded_parameters
 from .microbatch import MicrobatchFlags
 from .module import FSDPModule
+from .state import RootState
 from .unit import FSDPUnit, TrainingState
 
 
@@ -52,15 +53,21 @@ def units_of_params(params: Iterable[torch.Tensor]) -> list[FSDPUnit]:
 
 
 def start_grad_sync(units: list[FSDPUnit]) -> None:
-    """Start reducing gradients accumulated but not reduced yet (e.g. under ``no_sync``)."""
+    """Start reducing gradients accumulated but not reduced yet (e.g. under ``no_sync``).
+
+    Ranks may hold unreduced gradients for different units (units that ran on some
+    ranks only): under a root the set is agreed across ranks first (schedule.py).
+    """
+    by_root: dict[int, tuple[RootState, list[FSDPUnit]]] = {}
     for unit in units:
-        for group in unit.groups:
+        if unit.root_state is not None:
+            by_root.setdefault(id(unit.root_state), (unit.root_state, []))[1].append(unit)
+            continue
+        for group in unit.groups:  # never ran a forward: nothing to agree on
             if group.grads_pending:
-                reduce = group.reduce_grads(True, unit.grad_scaling)
-                if unit.root_state is not None:
-                    unit.root_state.track(reduce)
-                elif reduce is not None:
-                    reduce.finish()
+                group.reduce_grads(True, unit.grad_scaling).finish()
+    for root, root_units in by_root.values():
+        root.schedule.reduce_pending(root_units)
 
 
 def finish_grad_sync(units: list[FSDPUnit]) -> None:

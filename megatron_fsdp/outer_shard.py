@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .collectives import all_gather, reduce_scatter
+from .collectives import all_gather
 from .mesh import DataParallelMesh
 
 _FLAT_DIM = "_megatron_fsdp_dp"
@@ -108,10 +108,3 @@ def gather_compute_shard(compute_shard: torch.Tensor, main_piece: torch.Tensor, 
     """Rebuild this ``dp_shard`` rank's compute shard from the main pieces of its ``dp_outer`` peers."""
     source = main_piece if main_piece.dtype == compute_shard.dtype else main_piece.to(compute_shard.dtype)
     all_gather(compute_shard, source, dp.outer_group, kind="all_gather_outer").wait()
-
-
-def reduce_scatter_outer(reduced: torch.Tensor, piece_numel: int, dp: DataParallelMesh) -> torch.Tensor:
-    """Sum the compute-shard-sized gradients over ``dp_outer``; return this rank's piece of the sum."""
-    piece = torch.empty(piece_numel, dtype=reduced.dtype, device=reduced.device)
-    reduce_scatter(piece, reduced, dp.outer_group, kind="reduce_scatter_outer").wait()
-    return piece

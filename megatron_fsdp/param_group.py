@@ -34,7 +34,7 @@ from .grad_scaling import GradScaling
 from .layout import FlatLayout, build_flat_layout
 from .mesh import DataParallelMesh
 from .mixed_precision import MixedPrecisionPolicy
-from .outer_shard import gather_compute_shard, outer_shard_geometry, reduce_scatter_outer
+from .outer_shard import gather_compute_shard, outer_shard_geometry
 from .ragged_shard import RaggedShard, full_tensor
 from .strategy import ShardingPlan
 
@@ -69,10 +69,36 @@ class PendingReduce:
     work: Pending
     output: torch.Tensor  # this rank's reduced shard, flat
     scratch: torch.Tensor | None = None  # the full gradient buffer, reusable once this lands
+    # Only zeros went in from here: install the result only if another rank had
+    # gradients (decided by the root at the end of backward, see schedule.py).
+    defer_install: bool = False
+    result: torch.Tensor | None = None  # the reduced main-shard part, once finished
+    _outer: tuple[Pending, torch.Tensor] | None = None  # HSDP: the reduction across dp_outer
 
     def finish(self) -> None:
-        self.work.wait()
-        self.group.install_grads(self.group.reduce_across_outer(self.output))
+        """Wait for the reduction (and its outer stage) and install the gradients."""
+        self._advance(block=True)
+
+    def poll(self) -> bool:
+        """Advance as far as landed collectives allow, without waiting; True once finished."""
+        return self._advance(block=False)
+
+    def _advance(self, block: bool) -> bool:
+        if self.result is not None:
+            return True
+        if self._outer is None:
+            if not block and not self.work.landed:
+                return False
+            self.work.wait()
+            self._outer = self.group.start_outer_reduction(self.output)
+        work, reduced = self._outer
+        if not block and not work.landed:
+            return False
+        work.wait()
+        self.result = reduced
+        if not self.defer_install:
+            self.group.install_grads(reduced)
+        return True
 
 
 def copy_param_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -151,6 +177,11 @@ class ParamGroup:
         self._grad_indices = {i for i, r in enumerate(refs) if r.param.requires_grad}
         self._grads_seen: set[int] = set()
         self.reduced_this_backward = False
+        self.received_grads = False  # a gradient arrived here in this backward
+        self.grads_complete = False  # every trainable parameter's gradient arrived in this backward
+        # Reductions run on a copy of process_group (schedule.py), so that they never
+        # interleave with all-gathers differently on different ranks.
+        self.reduce_process_group: dist.ProcessGroup = self.process_group
 
     # -- construction -------------------------------------------------------
     def _local_rows(self, source: torch.Tensor, index: int) -> torch.Tensor:
@@ -370,25 +401,41 @@ class ParamGroup:
                 param.main_grad.add_(param.grad)
             param.grad = None
         self._grads_seen.add(index)
+        self.received_grads = True
         if self._grads_seen == self._grad_indices:
+            self._grads_seen.clear()
+            self.grads_complete = True
             self._on_grads_ready(self)
 
     def discard_unreduced_grads(self) -> None:
         """Drop gradients accumulated but not reduced yet (``zero_grad_buffer``)."""
         self.grad_buffer = None
         self._drop_main_grads()
+        self.end_backward()
+
+    def end_backward(self) -> None:
+        """Reset the per-backward gradient bookkeeping."""
         self._grads_seen.clear()
         self.reduced_this_backward = False
+        self.received_grads = False
+        self.grads_complete = False
 
     @property
     def grads_pending(self) -> bool:
         return self.grad_buffer is not None and not self.reduced_this_backward
 
-    def reduce_grads(self, sync: bool, scaling: GradScaling) -> PendingReduce | None:
-        """Start reducing the accumulated gradients (unless ``sync`` is off)."""
-        self._grads_seen.clear()
-        if self.grad_buffer is None or not sync:
+    def reduce_grads(self, sync: bool, scaling: GradScaling, *, zeros_if_none: bool = False) -> PendingReduce | None:
+        """Start reducing the accumulated gradients (unless ``sync`` is off).
+
+        ``zeros_if_none``: with nothing accumulated here, reduce zeros (this rank
+        still takes part in a reduction other ranks issue).
+        """
+        if not sync:
             return None
+        if self.grad_buffer is None:
+            if not zeros_if_none:
+                return None
+            self.grad_buffer = grad_buffers.zeros(self.layout.total_numel, self.grad_dtype, self.shard.device)
         buffer, self.grad_buffer = self.grad_buffer, None
         self._drop_main_grads()
         self.reduced_this_backward = True
@@ -400,29 +447,26 @@ class ParamGroup:
         if self.plan.grads:
             # dp_shard's share of the gradients: the main shard, or under outer 'optim' the compute shard.
             output = torch.empty(self.compute_shard.numel(), dtype=buffer.dtype, device=buffer.device)
-            work = reduce_scatter(output, buffer, self.process_group, input_is_scratch=True)
+            work = reduce_scatter(output, buffer, self.reduce_process_group, input_is_scratch=True)
             # No gradient aliases the buffer; a cast copy (comm dtype) is not worth keeping.
             return PendingReduce(self, work, output, scratch=buffer if buffer.dtype == self.grad_dtype else None)
-        work = all_reduce(buffer, self.process_group)
+        work = all_reduce(buffer, self.reduce_process_group)
         n = self.layout.shard_numel
         return PendingReduce(self, work, buffer.narrow(0, self.shard_rank * n, n))
 
-    @property
-    def replicated_across_outer(self) -> bool:
-        """HSDP: every dp_outer replica holds the same main shard (not so under outer 'optim')."""
-        return self.dp.has_outer and self.dp.outer_size > 1 and self.outer is None
+    def start_outer_reduction(self, reduced_shard: torch.Tensor) -> tuple[Pending, torch.Tensor]:
+        """HSDP: start summing the dp_shard-reduced gradients over dp_outer.
 
-    def reduce_across_outer(self, reduced_shard: torch.Tensor) -> torch.Tensor:
-        """HSDP: sum the dp_shard-reduced gradients over dp_outer; return this rank's main-shard part.
-
-        Outer 'optim' reduce-scatters into this rank's piece; a replicating
-        outer dimension all-reduces in place.
+        Returns the work and where this rank's main-shard part lands: outer 'optim'
+        reduce-scatters into this rank's piece; a replicating outer dimension
+        all-reduces in place; without an outer dimension nothing is issued.
         """
         if self.outer is not None:
-            return reduce_scatter_outer(reduced_shard, self.layout.shard_numel, self.dp)
+            piece = torch.empty(self.layout.shard_numel, dtype=reduced_shard.dtype, device=reduced_shard.device)
+            return reduce_scatter(piece, reduced_shard, self.dp.outer_group, kind="reduce_scatter_outer"), piece
         if self.dp.has_outer and self.dp.outer_size > 1:
-            all_reduce(reduced_shard, self.dp.outer_group).wait()
-        return reduced_shard
+            return all_reduce(reduced_shard, self.dp.outer_group), reduced_shard
+        return Pending(), reduced_shard
 
     def install_grads(self, reduced_shard: torch.Tensor) -> None:
         """Add the reduced shard into the sharded parameters' ``.grad`` (creating them)."""

@@ -1,27 +1,42 @@
 """Per-root runtime state: in-flight reductions and the end-of-backward callback.
 
 The root is the outermost unit whose forward runs first. It owns what spans
-units: the reductions still in flight (at most two, to bound memory) and the
-callback the autograd engine runs once backward is over, which reduces what no
-hook reduced, reshards everything and checks nothing was left behind.
+units: the order of their collectives (``schedule.CollectiveSchedule``), the
+reductions still in flight (at most two, to bound memory) and the callback the
+autograd engine runs once backward is over, which issues the reductions left,
+waits for them and reshards everything.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+import torch
 from torch.autograd import Variable
 
 from . import grad_buffers
 from .allocator import default_pool
-from .profiling import REDUCE_ISSUE, REDUCE_WAIT, trace_range
+from .profiling import REDUCE_WAIT, trace_range
+from .schedule import CollectiveSchedule
 
 if TYPE_CHECKING:
     from .param_group import PendingReduce
     from .unit import FSDPUnit
 
 MAX_REDUCES_IN_FLIGHT = 2
+LANDING_WAIT_S = 0.05
+
+
+def _landed_within(reduce: PendingReduce, seconds: float) -> bool:
+    """Poll ``reduce`` until it finished or ``seconds`` passed."""
+    deadline = time.monotonic() + seconds
+    while not reduce.poll():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0002)
+    return True
 
 
 class RootState:
@@ -31,18 +46,16 @@ class RootState:
         self.root = root
         self.units = units
         self._in_flight: deque[PendingReduce] = deque()
+        self._zeros_only: list[PendingReduce] = []  # finished, install decided at the end of backward
         # 0 makes every reduction synchronous (Megatron's overlap_grad_reduce=False).
         self.max_in_flight: int = getattr(root, "max_reduces_in_flight", MAX_REDUCES_IN_FLIGHT)
         self._callback_queued = False
-        # Units in the order their forward first ran, recorded every forward and
-        # used by the next iteration to prefetch (all-gather ahead of use).
-        self.forward_order: list[FSDPUnit] = []
-        self._recording: list[FSDPUnit] = []
         # Set by the root's forward, cleared by the end of backward: still set at the
         # next forward means an optimizer step may have run without a backward.
         self._forward_without_backward = False
         for unit in units:
             unit.root_state = self
+        self.schedule = CollectiveSchedule(units, self.track)
 
     def begin_forward(self) -> None:
         """The root's forward starts: weights kept by a forward no backward followed are stale."""
@@ -50,40 +63,48 @@ class RootState:
             for unit in self.units:
                 unit.mark_weights_stale()
         self._forward_without_backward = False
+        self.schedule.begin_forward()
 
     def record_forward(self, unit: FSDPUnit) -> None:
-        if unit is self.root:
-            self._recording = []
-        if unit not in self._recording:
-            self._recording.append(unit)
+        self.schedule.record_use(unit)
+
+    def need_weights(self, unit: FSDPUnit) -> None:
+        """Gather ``unit``'s weights (in the order every rank issues them) and wait for them."""
+        self.schedule.need_weights(unit)
 
     def end_forward(self) -> None:
-        """The root's forward finished: its recorded order drives the next prefetches."""
-        self.forward_order = self._recording
+        """The root's forward finished: close the phase with every rank (schedule.py)."""
+        self.schedule.end_forward([unit.forward_grad_calls > 0 for unit in self.units])
         self._forward_without_backward = True
+        if not torch.is_grad_enabled():
+            # No backward follows (evaluation): the modules hold their sharded
+            # parameters again, so that model.parameters() (e.g. an optimizer built
+            # now) sees them, not gathered copies.
+            for unit in self.units:
+                unit.reshard()
 
-    def prefetch_after(self, unit: FSDPUnit, direction: int) -> None:
-        """Start the all-gathers of the units that run after ``unit`` (forward: +1, backward: -1)."""
-        if unit not in self.forward_order:
-            return
-        index = self.forward_order.index(unit)
-        for step in range(1, unit.prefetch_depth + 1):
-            other = index + direction * step
-            if 0 <= other < len(self.forward_order):
-                self.forward_order[other].prefetch()
-
-    def queue_final_callback(self) -> None:
-        """Ask autograd to call ``finish_backward`` when this backward pass ends."""
+    def begin_backward(self) -> None:
+        """A unit's backward starts: the first one of this backward pass opens the phase."""
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(self.finish_backward)
             self._callback_queued = True
+            self.schedule.begin_backward()
 
     def track(self, reduce: PendingReduce | None) -> None:
-        """Keep a reduction in flight, finishing the oldest beyond the limit."""
+        """Keep a reduction in flight, finishing the oldest beyond the limit.
+
+        Where waiting blocks the host (gloo), the oldest is waited for at most
+        ``LANDING_WAIT_S`` and otherwise left in flight: another rank may be waiting
+        for this one in a control round (schedule.py) before it can issue its part
+        of that reduction. On CUDA a wait only orders streams and never blocks.
+        """
         if reduce is None:
             return
         self._in_flight.append(reduce)
         while len(self._in_flight) > self.max_in_flight:
+            oldest = self._in_flight[0]
+            if oldest.output.device.type == "cpu" and not _landed_within(oldest, LANDING_WAIT_S):
+                return
             self._finish_oldest()
 
     def drain(self) -> None:
@@ -95,20 +116,22 @@ class RootState:
         with trace_range(REDUCE_WAIT, self.root.device):
             reduce = self._in_flight.popleft()
             reduce.finish()
+        if reduce.defer_install:
+            self._zeros_only.append(reduce)
         if reduce.scratch is not None:  # the next unit's backward re-uses it
             grad_buffers.give_back(reduce.scratch)
 
     def finish_backward(self) -> None:
-        """Reduce leftovers (hooks that never fired), wait, reshard, reset."""
+        """Issue the reductions left (in the agreed order), wait, install, reshard, reset."""
         self._callback_queued = False
         self._forward_without_backward = False
-        for unit in self.units:
-            for group in unit.groups:
-                if group.grads_pending:
-                    with trace_range(REDUCE_ISSUE, unit.device):
-                        reduce = group.reduce_grads(unit.reduces_now, unit.grad_scaling)
-                    self.track(reduce)
+        had_grads = self.schedule.end_backward()
         self.drain()
+        for reduce in self._zeros_only:
+            # zeros from here; install only if another rank had gradients (else None, as DDP)
+            if had_grads[self.schedule.group_index[id(reduce.group)]]:
+                reduce.group.install_grads(reduce.result)
+        self._zeros_only = []
         step_may_follow = self.root.optimizer_step_may_follow
         for unit in self.units:
             unit.finish_backward()

@@ -74,7 +74,8 @@ class FSDPUnit:
         self.microbatch: MicrobatchFlags | None = None
         self.root_state: RootState | None = None
         self.state = TrainingState.IDLE
-        self._reshard_when_reduced = False
+        self.forward_grad_calls = 0  # forwards with grad enabled since the last backward
+        self._reshard_when_complete = False
         module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self.post_forward, always_call=True)
 
@@ -176,10 +177,10 @@ class FSDPUnit:
             self.state = TrainingState.FORWARD
         if self.is_root and self.state is not TrainingState.BACKWARD:
             self.root_state.begin_forward()
-        self.root_state.record_forward(self)
-        self.unshard()
-        if self.state is not TrainingState.BACKWARD:
-            self.root_state.prefetch_after(self, +1)
+        if self.state is TrainingState.FORWARD:  # not a recomputation inside backward
+            self.root_state.record_forward(self)
+            self.forward_grad_calls += torch.is_grad_enabled()
+        self.root_state.need_weights(self)
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
             args, kwargs = self._register_post_backward(args, kwargs) or (args, kwargs)
@@ -228,36 +229,41 @@ class FSDPUnit:
 
     # -- backward -----------------------------------------------------------
     def pre_backward(self, *_: Any) -> None:
-        if self.root_state is not None:
-            self.root_state.queue_final_callback()
         self.state = TrainingState.BACKWARD
-        self.unshard()
-        if self.root_state is not None:
-            self.root_state.prefetch_after(self, -1)
+        if self.root_state is None:
+            self.unshard()
+        else:
+            self.root_state.begin_backward()
+            self.root_state.need_weights(self)
         for group in self.groups:
             group.prepare_grad_buffer()
 
     def on_grads_ready(self, group: ParamGroup) -> None:
-        """Every trainable parameter of ``group`` has its gradient: reduce it."""
-        with trace_range(REDUCE_ISSUE, self.device):
-            reduce = group.reduce_grads(self.reduces_now, self.grad_scaling)
+        """Every trainable parameter of ``group`` has its gradient: reduce it when its turn comes."""
         if self.root_state is not None:
-            self.root_state.track(reduce)
-        elif reduce is not None:
-            with trace_range(REDUCE_WAIT, self.device):
-                reduce.finish()
-        if self._reshard_when_reduced and not any(g.grads_pending for g in self.groups):
-            self._reshard_when_reduced = False
+            with trace_range(REDUCE_ISSUE, self.device):
+                self.root_state.schedule.advance_reductions()
+        else:
+            reduce = group.reduce_grads(self.reduces_now, self.grad_scaling)
+            if reduce is not None:
+                with trace_range(REDUCE_WAIT, self.device):
+                    reduce.finish()
+        if self._reshard_when_complete and self._grads_complete:
+            self._reshard_when_complete = False
             self.reshard()
+
+    @property
+    def _grads_complete(self) -> bool:
+        return all(g.grads_complete for g in self.groups if g.requires_grad)
 
     def post_backward(self) -> None:
         """Autograd computed the gradients of the unit's inputs."""
         if not self.plan.params:
             return
-        if any(g.grads_pending for g in self.groups):
-            self._reshard_when_reduced = True
-        else:
+        if self._grads_complete:
             self.reshard()
+        else:  # its weights' gradients are still being computed
+            self._reshard_when_complete = True
 
     def finish_backward(self) -> None:
         """End of backward (called by the root): release weights, reset state."""
@@ -268,6 +274,7 @@ class FSDPUnit:
         elif self.plan.params:
             self.reshard()  # ZeRO-3 releases weights between uses even mid-accumulation
         for group in self.groups:
-            group.reduced_this_backward = False
-        self._reshard_when_reduced = False
+            group.end_backward()
+        self.forward_grad_calls = 0
+        self._reshard_when_complete = False
         self.state = TrainingState.IDLE

@@ -176,7 +176,8 @@ def shard_tower_model(model: TowerModel, mark: bool) -> TowerModel:
         fsdp_no_shard(model.tower)
         fsdp_no_shard(model.net.tiny)  # a single trainable parameter
     tower = fully_shard(model.tower)
-    assert isinstance(tower, megatron_fsdp.FSDPModule) != mark, "all-no-shard module must stay unwrapped"
+    # an all-no-shard module is still a unit: its replicated gradients must be all-reduced
+    assert isinstance(tower, megatron_fsdp.FSDPModule)
     for block in model.net.blocks:
         fully_shard(block)
     fully_shard(model)

@@ -344,7 +344,8 @@ def step_sync_flag_reduces_no_sync_gradients() -> None:
                 loss_fn(m, local_batch(0, rank, n)).backward()
         assert all(p.grad is None for p in model.parameters()), "no_sync must not reduce"
         before = full_state(model)
-        opt.step(sync_grad_before_optimizer_step=False)
+        # stepping over unreduced gradients would silently skip them: refused, naming the fix
+        expect_error(RuntimeError, "no_sync()", opt.step, sync_grad_before_optimizer_step=False)
         after = full_state(model)
         assert all(torch.equal(before[k], after[k]) for k in before), "nothing reduced: the step must not move weights"
         assert any(g.grads_pending for g in groups_of(model)), "unreduced gradients must still be pending"
@@ -461,11 +462,11 @@ def state_dict_keys_and_round_trip() -> None:
     rank, n = world()
     loss = loss_fn(model, local_batch(0, rank, n)).item()
     assert loss == loss_fn(base, local_batch(0, rank, n)).item(), "loaded weights are used by the next forward"
-    # After an evaluation forward ZeRO-1 keeps gathered bf16 weights installed; a checkpoint must still see
-    # the fp32 main shards (model.state_dict() and DCP's get_model_state_dict(model.module) alike).
+    # After a forward no backward followed, ZeRO-1 keeps gathered bf16 weights installed; a checkpoint must
+    # still see the fp32 main shards (model.state_dict() and DCP's get_model_state_dict(model.module) alike).
+    # (An evaluation forward under no_grad reshards: engine_checks.optimizer_built_after_evaluation_trains_right.)
     model = fully_shard_model(copy.deepcopy(base).to(torch.bfloat16), fsdp_unit_modules=[Block], zero_dp_strategy=1)
-    with torch.no_grad():
-        loss_fn(model, local_batch(0, rank, n))
+    loss_fn(model, local_batch(0, rank, n))
     assert any(not isinstance(p, DTensor) for p in model.module.parameters()), "test premise: weights gathered"
     for sd in (model.state_dict(), get_model_state_dict(model.module)):
         bad = [k for k, v in sd.items() if not isinstance(v, DTensor) or v.dtype != torch.float32]

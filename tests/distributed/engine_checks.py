@@ -283,7 +283,10 @@ def bytes_match_zero3_minimum() -> None:
     extra = sum(g.layout.total_numel * 4 for g in model.blocks[0].fsdp_unit.groups)
     assert comm_stats.bytes["all_gather"] == gather + extra, (dict(comm_stats.bytes), gather + extra)
     assert comm_stats.bytes["reduce_scatter"] == reduce, (dict(comm_stats.bytes), reduce)
-    assert set(comm_stats.bytes) == {"all_gather", "reduce_scatter"}
+    assert set(comm_stats.bytes) == {"all_gather", "reduce_scatter", "control"}
+    # one control round closes the forward and one the backward (docs/design.md): once every
+    # rank follows the agreed gather order, nothing is gathered off it
+    assert comm_stats.calls["control"] == 2, dict(comm_stats.calls)
 
 
 @check(SUITE)
@@ -295,7 +298,8 @@ def bytes_per_strategy() -> None:
         loss_fn(model, batch).backward()
         comm_stats.reset()
         loss_fn(model, batch).backward()
-        assert set(comm_stats.bytes) == kinds, (strategy, dict(comm_stats.bytes))
+        assert set(comm_stats.bytes) == kinds | {"control"}, (strategy, dict(comm_stats.bytes))
+        assert comm_stats.calls["control"] == 2, (strategy, dict(comm_stats.calls))
         if "all_gather" in kinds:  # gathered once per step, not per use
             params = sum(g.layout.total_numel * 4 for m in model.modules()
                          if isinstance(m, megatron_fsdp.FSDPModule) for g in m.fsdp_unit.groups)
@@ -349,8 +353,10 @@ def bad_input_errors() -> None:
     expect_error(ValueError, "already applied", fully_shard, twice)
     scalar = nn.Module()
     scalar.w = nn.Parameter(torch.tensor(1.0))
-    # a module whose only parameter is 0-dim stays replicated: no unit, no hooks
-    assert not isinstance(fully_shard(scalar), megatron_fsdp.FSDPModule)
+    # a module whose only parameter is 0-dim is a unit with one replicated group (all-reduced, never gathered)
+    scalar = fully_shard(scalar)
+    assert isinstance(scalar, megatron_fsdp.FSDPModule)
+    assert [g.plan.name for g in scalar.fsdp_unit.groups] == ["no_shard"]
 
     tied = Net()
     fully_shard(tied.embed)
@@ -422,23 +428,26 @@ def prefetch_gathers_the_next_unit_ahead_of_use() -> None:
     model = shard_net(Net(), "optim_grads_params")
     batch = local_batch(0, *world())
     loss_fn(model, batch).backward()  # the first iteration records the forward order
-    group_of_next = model.blocks[1].fsdp_unit.groups[0]
     seen = {}
 
-    def in_flight_or_gathered(tag):
+    def in_flight_or_gathered(tag, module=model.blocks[1]):
+        group = module.fsdp_unit.groups[0]
+
         def hook(*_):
-            seen[tag] = group_of_next._gather is not None or group_of_next.state.value == "unsharded"
+            seen.setdefault(tag, group._gather is not None or group.state.value == "unsharded")
         return hook
 
     handles = [model.blocks[0].up.register_forward_pre_hook(in_flight_or_gathered("forward")),
+               model.blocks[2].up.register_forward_pre_hook(in_flight_or_gathered("then", model.blocks[0])),
                model.blocks[2].up.register_full_backward_pre_hook(in_flight_or_gathered("backward"))]
     comm_stats.reset()
     loss_fn(model, batch).backward()
     for h in handles:
         h.remove()
-    # while blocks[0] computes its forward, blocks[1]'s all-gather is already issued;
-    # while blocks[2] computes its backward, blocks[1]'s backward all-gather is too
-    assert seen == {"forward": True, "backward": True}, seen
+    # while blocks[0] computes its forward, blocks[1]'s all-gather is already issued, and
+    # while blocks[2] does, that of blocks[0]'s second call; while blocks[2] computes its
+    # backward, blocks[1]'s backward all-gather is issued too
+    assert seen == {"forward": True, "then": True, "backward": True}, seen
     model.set_prefetch_depth(0)
     loss_fn(model, batch).backward()
     model.blocks[0].up.register_forward_pre_hook(in_flight_or_gathered("off"))
@@ -469,6 +478,30 @@ def step_after_a_forward_without_backward_is_seen() -> None:
                 model(batch)  # e.g. an evaluation between backward and step
         for opt in opts:
             opt.step()
+        with torch.no_grad():
+            torch.testing.assert_close(ours(batch), plain(batch), rtol=1e-5, atol=1e-5, msg=strategy)
+
+
+@check(SUITE, world_sizes=(2,))
+def optimizer_built_after_evaluation_trains_right() -> None:
+    """An evaluation forward (no_grad) leaves the modules holding their sharded parameters.
+
+    An optimizer built right after it gets the sharded parameters, never gathered views.
+    """
+    for strategy in ("optim_grads_params", "optim_grads", "optim", "no_shard"):
+        torch.manual_seed(0)
+        base = Net()
+        plain, ours = copy.deepcopy(base), shard_net(copy.deepcopy(base), strategy)
+        batch = local_batch(0, 0, 1)  # the same batch on every rank: DDP-free reference
+        with torch.no_grad():
+            ours(batch)
+        assert all(isinstance(p, DTensor) for p in ours.parameters()), strategy
+        opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in (ours, plain)]
+        for step in range(3):
+            for model, opt in zip((ours, plain), opts):
+                opt.zero_grad()
+                loss_fn(model, local_batch(step, 0, 1)).backward()
+                opt.step()
         with torch.no_grad():
             torch.testing.assert_close(ours(batch), plain(batch), rtol=1e-5, atol=1e-5, msg=strategy)
 

@@ -1,0 +1,459 @@
+"""The order of every collective under one root: the same on every rank, whatever ran.
+
+Which units run can depend on the data (experts that receive no token, optional
+branches, early exit), and a collective pairs with whatever the other ranks
+issue next on the same process group. Ranks that ran different units must still
+issue the same collectives in the same order, or one unit's gradients are summed
+with another's (silently, when the sizes match). Three mechanisms keep them in
+step (docs/design.md, "Data-dependent execution"):
+
+- **Reductions** run on a process group of their own, one per parameter group and
+  backward, in an order every rank knows: the reverse of the unit order agreed at
+  the end of the forward. A group's turn comes when its gradients are complete; a
+  unit that did not run here contributes zeros (or what earlier micro-batches
+  accumulated). A group no rank ran with grad is not reduced: its gradients stay
+  ``None``, as DDP's do.
+- **ZeRO-3 all-gathers** follow an agreed sequence: rank 0's gathers in the last
+  phase of the same kind (forward or backward). A rank that needs a unit further
+  along first issues the entries before it (into scratch, dropped), so every rank
+  issues every entry, in order. A gather off the sequence (a unit needed again, or
+  in an order rank 0 did not take) is agreed in a control round: the rank issues
+  the rest of the sequence, then all ranks gather the requested units together.
+  ZeRO-1/2 weights are gathered for every unit at the root's forward, in unit order.
+- **Control rounds** on a third group (one small MAX all-reduce) close each phase
+  once every rank is done. The closing round carries which groups ran with grad
+  (forward) or received gradients (backward), and rank 0's orders for next time.
+
+The first step runs before any agreement (unit order = module order); it is as
+exact as the others, only slower where the forward order differs from module order.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from .collectives import Pending, all_gather, all_reduce_max
+
+if TYPE_CHECKING:
+    from .param_group import ParamGroup, PendingReduce
+    from .unit import FSDPUnit
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+_GROUP_COPIES: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
+
+
+def group_copy(purpose: str, group: dist.ProcessGroup, ranks: list[int] | None = None) -> dist.ProcessGroup:
+    """A process group over ``ranks`` (default: ``group``'s), made once per purpose and rank set.
+
+    Made by the member ranks only (``use_local_synchronization``), in the order
+    ``fully_shard`` runs, which is the same on every rank.
+    """
+    ranks = sorted(dist.get_process_group_ranks(group) if ranks is None else ranks)
+    key = (purpose, tuple(ranks))
+    if key not in _GROUP_COPIES:
+        backend = str(dist.get_backend(group))
+        _GROUP_COPIES[key] = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+    return _GROUP_COPIES[key]
+
+
+def is_zero3(unit: FSDPUnit) -> bool:
+    """The unit gathers its weights at each use (not once per step)."""
+    return unit.plan.params and any(g.gathers for g in unit.groups)
+
+
+def gathers_once_per_step(unit: FSDPUnit) -> bool:
+    """ZeRO-1/2: weights gathered (refreshed) once per step and kept."""
+    return not unit.plan.params and any(g.gathers for g in unit.groups)
+
+
+def _participate(unit: FSDPUnit) -> list[Pending]:
+    """Issue ``unit``'s all-gathers into scratch: the data is not needed here, the pairing is."""
+    works = []
+    for group in unit.groups:
+        if group.gathers:
+            group.refresh_compute()
+            scratch = torch.empty(group.layout.total_numel, dtype=group.compute_dtype, device=group.shard.device)
+            works.append(all_gather(scratch, group.compute_shard, group.process_group))
+    return works
+
+
+@dataclass
+class RoundResult:
+    active: bool
+    requests: list[int]
+    flags: list[bool]  # per parameter group: ran with grad (forward) / received gradients (backward)
+    extra: list[bool]  # per parameter group: needs a reduction after the ordered ones (backward)
+    order: list[int]  # per unit: rank 0's first-use position + 1 (0: not used)
+    sequence: list[int]  # rank 0's gathers (unit indices) this phase
+
+
+class GatherCursor:
+    """One phase's agreed all-gather sequence and how far this rank has issued and consumed it."""
+
+    def __init__(self, sequence: list[int]) -> None:
+        self.sequence = sequence
+        self.next = 0  # entries before it are consumed or passed
+        self.issued = 0  # entries before it have their all-gather issued (prefetch runs ahead)
+        self.own: set[int] = set()  # issued entries that gather into their unit's own buffer
+        self.flushed = False
+        self.recorded: list[int] = []  # this rank's gathers, for the next agreement
+        self.scratch: list[Pending] = []
+
+    def find(self, unit_index: int) -> int | None:
+        for i in range(self.next, len(self.sequence)):
+            if self.sequence[i] == unit_index:
+                return i
+        return None
+
+
+class CollectiveSchedule:
+    """Orders the collectives of every unit under one root (see the module docstring)."""
+
+    def __init__(self, units: list[FSDPUnit], track: Callable[[PendingReduce], None]) -> None:
+        self.units = units  # module order, the root first
+        self.index = {id(u): i for i, u in enumerate(units)}
+        self.groups: list[ParamGroup] = [g for u in units for g in u.groups]
+        self.group_index = {id(g): i for i, g in enumerate(self.groups)}
+        self.unit_of = {id(g): u for u in units for g in u.groups}
+        self._track = track
+        anchor = next((g for g in self.groups), None)
+        self.control: dist.ProcessGroup | None = None
+        if anchor is not None:
+            dp = anchor.dp
+            ranks = dp.mesh.mesh.flatten().tolist()
+            self.control = group_copy("control", dp.shard_group, ranks)
+            self.device = anchor.shard.device
+            self.leader = dist.get_rank(self.control) == 0
+            for group in self.groups:
+                group.reduce_process_group = group_copy("reduce", group.process_group)
+        self.unit_order: list[int] = list(range(len(units)))  # agreed: first-use order of the last forward
+        self.sequences: dict[Phase, list[int] | None] = {Phase.FORWARD: None, Phase.BACKWARD: None}
+        self.cursor: GatherCursor | None = None
+        self.phase: Phase | None = None
+        self._first_use: list[int] = []
+        self._eligible: list[bool] = [False] * len(self.groups)
+        self._reduce_order: list[ParamGroup] = []
+        self._reduce_next = 0
+        self._issued: set[int] = set()  # groups reduced in this backward (by index)
+        self.control_rounds = 0  # since construction, for tests and accounting
+        # What this rank issued, compared across ranks by every closing round: the
+        # all-gathers of this phase, the reductions of the last backward.
+        self._gather_log: list[int] = []
+        self._reduce_log: list[int] = []
+        self._last_reduce_digest = 0
+
+    # -- phases -------------------------------------------------------------
+    def begin_forward(self) -> None:
+        self.phase = Phase.FORWARD
+        self._gather_log = []
+        self._first_use = []
+        self.cursor = GatherCursor(self._default_sequence(Phase.FORWARD))
+        for unit in self.units:  # ZeRO-1/2: every unit's weights, once per step, in unit order
+            if gathers_once_per_step(unit):
+                for group in unit.groups:
+                    group.start_unshard()
+
+    def record_use(self, unit: FSDPUnit) -> None:
+        index = self.index[id(unit)]
+        if self.phase is Phase.FORWARD and index not in self._first_use:
+            self._first_use.append(index)
+
+    def end_forward(self, ran_with_grad: list[bool]) -> None:
+        """Close the forward: agree who ran what, and the orders for the backward and next forward."""
+        flags = [False] * len(self.groups)
+        for unit, ran in zip(self.units, ran_with_grad):
+            for group in unit.groups:
+                if group.requires_grad and (ran or group.grad_buffer is not None):
+                    flags[self.group_index[id(group)]] = True
+        result = self._close(flags, [False] * len(self.groups))
+        for unit in self.units:  # ZeRO-1/2 gathers nobody consumed: nothing outlives the forward
+            if gathers_once_per_step(unit):
+                for group in unit.groups:
+                    group.finish_unshard()
+        self._eligible = result.flags
+        self.sequences[Phase.FORWARD] = result.sequence
+        self._agree_unit_order(result.order)
+        self.phase = None
+        self.cursor = None
+
+    def begin_backward(self) -> None:
+        self.phase = Phase.BACKWARD
+        self.cursor = GatherCursor(self._default_sequence(Phase.BACKWARD))
+        self._issued = set()
+        self._gather_log = []
+        self._reduce_log = []
+        self._reduce_order = [
+            g for i in reversed(self.unit_order) for g in self.units[i].groups
+            if g.requires_grad and self._eligible[self.group_index[id(g)]] and self.units[i].reduces_now
+        ]
+        self._reduce_next = 0
+        self.advance_reductions()
+
+    def end_backward(self) -> list[bool]:
+        """Close the backward: issue the reductions left, in the agreed order (not waited for).
+
+        Returns, per parameter group, whether any rank had gradients for it: a
+        reduction of zeros only (``PendingReduce.defer_install``) installs nothing
+        where no rank had any, so those gradients stay ``None``.
+        """
+        received = [g.received_grads or g.grad_buffer is not None for g in self.groups]
+        extra = [False] * len(self.groups)
+        ordered = {id(g) for g in self._reduce_order}
+        for i, group in enumerate(self.groups):
+            unit = self.unit_of[id(group)]
+            if not group.requires_grad or not unit.reduces_now or group.grad_buffer is None:
+                continue
+            # grads arriving after this group's turn, or for a group outside the agreed order
+            extra[i] = id(group) not in ordered or i in self._issued
+        result = self._close(received, extra)
+        self.sequences[Phase.BACKWARD] = result.sequence
+        # The rest of the agreed order (zeros where nothing arrived), then the extras.
+        for group in self._reduce_order[self._reduce_next:]:
+            self._reduce(group)
+        self._reduce_next = len(self._reduce_order)
+        for i, group in enumerate(self.groups):
+            if result.extra[i]:
+                self._reduce(group)
+        self._last_reduce_digest = _digest(self._reduce_log)
+        self.phase = None
+        self.cursor = None
+        return result.flags
+
+    # -- weights ------------------------------------------------------------
+    def need_weights(self, unit: FSDPUnit) -> None:
+        """``unit`` is about to compute: gather its weights in agreed order and wait for them."""
+        cursor = self.cursor
+        if cursor is None or not is_zero3(unit) or all(
+            g.state.value == "unsharded" for g in unit.groups if g.gathers
+        ):
+            unit.unshard()
+            return
+        index = self.index[id(unit)]
+        cursor.recorded.append(index)
+        if not cursor.flushed:
+            entry = cursor.find(index)
+            if entry is not None:
+                for i in range(cursor.next, entry):
+                    self._pass(i)
+                self._issue(entry, own=True)
+                cursor.next = entry + 1
+                self._prefetch(unit.prefetch_depth)
+                unit.unshard()
+                self._drop_scratch()
+                return
+            self._flush()
+        self._request(index)
+        unit.unshard()
+
+    def _default_sequence(self, phase: Phase) -> list[int]:
+        agreed = self.sequences[phase]
+        if agreed is not None:
+            return agreed
+        order = self.unit_order if phase is Phase.FORWARD else list(reversed(self.unit_order))
+        return [i for i in order if is_zero3(self.units[i]) and (
+            phase is Phase.FORWARD or (self.units[i].reshard_after_forward and not self.units[i].is_root))]
+
+    def _issue(self, entry: int, *, own: bool) -> None:
+        cursor = self.cursor
+        if entry < cursor.issued:
+            return
+        assert entry == cursor.issued, "all-gathers are issued in sequence order"
+        unit = self.units[cursor.sequence[entry]]
+        self._gather_log.append(cursor.sequence[entry])
+        if own and self._idle(unit):
+            for group in unit.groups:
+                group.start_unshard()
+            cursor.own.add(entry)
+        else:
+            cursor.scratch.extend(_participate(unit))
+        cursor.issued = entry + 1
+
+    @staticmethod
+    def _idle(unit: FSDPUnit) -> bool:
+        return all(g.state.value == "sharded" and g._gather is None for g in unit.groups if g.gathers)
+
+    def _pass(self, entry: int) -> None:
+        """This rank does not use ``entry``: issue it anyway (scratch) or release what it gathered."""
+        cursor = self.cursor
+        if entry >= cursor.issued:
+            self._issue(entry, own=False)
+        elif entry in cursor.own:
+            self.units[cursor.sequence[entry]].reshard()
+
+    def _prefetch(self, depth: int) -> None:
+        cursor = self.cursor
+        while cursor.issued < min(cursor.next + depth, len(cursor.sequence)):
+            if not self._idle(self.units[cursor.sequence[cursor.issued]]):
+                return  # issued when consumed or passed, in order
+            self._issue(cursor.issued, own=True)
+
+    def _flush(self) -> None:
+        cursor = self.cursor
+        for i in range(cursor.next, len(cursor.sequence)):
+            self._pass(i)
+        cursor.next = len(cursor.sequence)
+        cursor.flushed = True
+
+    def _drop_scratch(self) -> None:
+        cursor = self.cursor
+        scratch, cursor.scratch = cursor.scratch, []
+        for work in scratch:
+            work.wait()
+
+    def _request(self, index: int) -> None:
+        """Gather ``index`` off the sequence: agreed with every rank in a control round."""
+        result = self._round(active=True, request=index)
+        self._gather_requested(result.requests, own=index)
+
+    def _gather_requested(self, requests: list[int], own: int | None) -> None:
+        for i in requests:  # ascending unit index: the same order everywhere
+            unit = self.units[i]
+            self._gather_log.append(i)
+            if i == own and self._idle(unit):
+                for group in unit.groups:
+                    group.start_unshard()
+            else:
+                self.cursor.scratch.extend(_participate(unit))
+        self._drop_scratch()
+
+    def _close(self, flags: list[bool], extra: list[bool]) -> RoundResult:
+        if self.cursor is not None:
+            self._flush()
+        while True:
+            result = self._round(active=False, flags=flags, extra=extra)
+            if not result.active:
+                break
+            self._gather_requested(result.requests, own=None)
+        if self.cursor is not None:
+            self._drop_scratch()
+        return result
+
+    # -- control rounds -----------------------------------------------------
+    def _round(self, *, active: bool, request: int | None = None, flags: list[bool] | None = None,
+               extra: list[bool] | None = None) -> RoundResult:
+        n_units, n_groups = len(self.units), len(self.groups)
+        cap = 4 * n_units + 16
+        payload = torch.zeros(1 + 2 * n_units + 2 * n_groups + 1 + cap + 4, dtype=torch.int64)
+        payload[0] = int(active)
+        if request is not None:
+            payload[1 + request] = 1
+        offset = 1 + n_units
+        if flags is not None:
+            payload[offset:offset + n_groups] = torch.tensor(flags, dtype=torch.int64)
+        offset += n_groups
+        if extra is not None:
+            payload[offset:offset + n_groups] = torch.tensor(extra, dtype=torch.int64)
+        offset += n_groups
+        sequence = self.cursor.recorded[:cap] if self.cursor is not None else []
+        if self.leader and not active:
+            for position, unit_index in enumerate(self._first_use):
+                payload[offset + unit_index] = position + 1
+            payload[offset + n_units] = len(sequence)
+            payload[offset + n_units + 1:offset + n_units + 1 + len(sequence)] = torch.tensor(
+                [i + 1 for i in sequence], dtype=torch.int64)
+        if not active:  # maxima of (d, -d): every rank learns the largest and the smallest digest
+            gathers = _digest(self._gather_log)
+            payload[-4:] = torch.tensor([gathers, -gathers, self._last_reduce_digest, -self._last_reduce_digest])
+        if self.control is not None and dist.get_world_size(self.control) > 1:
+            on_device = payload.to(self.device)
+            all_reduce_max(on_device, self.control)
+            payload = on_device.cpu()
+        self.control_rounds += 1
+        values = payload.tolist()
+        if not values[0]:
+            self._check_in_step(*values[-4:])
+        length = values[offset + n_units]
+        return RoundResult(
+            active=bool(values[0]),
+            requests=[i for i in range(n_units) if values[1 + i]],
+            flags=[bool(v) for v in values[1 + n_units:1 + n_units + n_groups]],
+            extra=[bool(v) for v in values[1 + n_units + n_groups:offset]],
+            order=values[offset:offset + n_units],
+            sequence=[v - 1 for v in values[offset + n_units + 1:offset + n_units + 1 + length]],
+        )
+
+    def _check_in_step(self, gathers_max: int, gathers_neg_min: int, reduces_max: int, reduces_neg_min: int) -> None:
+        """Raise on every rank if the ranks issued different collectives (see ``_gather_log``)."""
+        for what, high, neg_low in (("all-gathers in this " + (self.phase.value if self.phase else "step"),
+                                     gathers_max, gathers_neg_min),
+                                    ("gradient reductions in the last backward", reduces_max, reduces_neg_min)):
+            if high != -neg_low:
+                cls = type(self.units[0].module)
+                root = cls.__bases__[-1].__name__  # the model's own class, not its FSDP subclass
+                raise RuntimeError(
+                    f"collectives out of step across ranks under {root}: the ranks issued different {what}. "
+                    "Every rank must call the sharded model's forward and backward (and start_grad_sync) the same "
+                    "number of times; if they did, this is a bug in megatron_fsdp's schedule: please report it"
+                )
+
+    def _agree_unit_order(self, positions: list[int]) -> None:
+        """Rank 0's first-use order; a unit it did not run goes after its nearest run predecessor."""
+        if not any(positions):
+            return
+        keys, last = [], 0.0
+        for i, position in enumerate(positions):
+            last = float(position) if position else last
+            keys.append((position if position else last + 0.5, i))
+        self.unit_order = [i for _, i in sorted(keys)]
+
+    # -- reductions ---------------------------------------------------------
+    def reduce_pending(self, units: list[FSDPUnit]) -> None:
+        """Outside a backward (after ``no_sync``): reduce what any rank accumulated for ``units``.
+
+        The groups to reduce are agreed in a control round; each is reduced in the
+        agreed order, with zeros from the ranks that hold nothing for it.
+        """
+        chosen = {id(g) for u in units for g in u.groups}
+        pending = [id(g) in chosen and g.requires_grad and g.grad_buffer is not None for g in self.groups]
+        result = self._round(active=False, extra=pending)
+        order = [g for i in reversed(self.unit_order) for g in self.units[i].groups]
+        self._reduce_log = []
+        for group in order:
+            if result.extra[self.group_index[id(group)]]:
+                self._reduce(group, install=True)
+        self._last_reduce_digest = _digest(self._reduce_log)
+
+    def advance_reductions(self) -> None:
+        """Issue the reductions whose turn has come, in the agreed order.
+
+        A group's turn comes once its gradients are complete, or at once where its
+        unit did not run with grad on this rank (it contributes zeros, or what earlier
+        micro-batches accumulated).
+        """
+        if self.phase is not Phase.BACKWARD:
+            return
+        while self._reduce_next < len(self._reduce_order):
+            group = self._reduce_order[self._reduce_next]
+            if not (group.grads_complete or self.unit_of[id(group)].forward_grad_calls == 0):
+                return
+            self._reduce_next += 1
+            self._reduce(group)
+
+    def _reduce(self, group: ParamGroup, *, install: bool = False) -> None:
+        """Reduce ``group`` now (zeros if nothing is here); ``install``: some rank surely had gradients."""
+        if group.grad_buffer is not None:
+            group.received_grads = True  # real contributions here (this backward or accumulated)
+        reduce = group.reduce_grads(True, self.unit_of[id(group)].grad_scaling, zeros_if_none=True)
+        reduce.defer_install = not (install or group.received_grads)
+        self._track(reduce)
+        self._issued.add(self.group_index[id(group)])
+        self._reduce_log.append(self.group_index[id(group)])
+
+
+def _digest(log: list[int]) -> int:
+    """A digest of a sequence of indices, the same on every rank for the same sequence (< 2**62)."""
+    value = len(log)
+    for item in log:
+        value = (value * 1_000_003 + item + 1) % ((1 << 61) - 1)
+    return value
