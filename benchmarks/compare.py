@@ -93,9 +93,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per implementation")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--impls", default="megatron_fsdp,fsdp2,ddp")
-    p.add_argument("--pool", choices=("keep", "release", "off"), default="off",
-                   help="megatron_fsdp's buffer pool (opt-in in the library): keep its memory between steps, "
-                        "release it after backward, or off (plain allocations, the library's default)")
+    p.add_argument("--pool", choices=("keep", "release", "off"), default="keep",
+                   help="megatron_fsdp's buffer pool: keep its memory between steps (the library's default), "
+                        "release it after backward, or off (plain allocations, MEGATRON_FSDP_BUFFER_POOL=0)")
     p.add_argument("--local-step", choices=("on", "off"), default="on",
                    help="megatron_fsdp's fully_shard_optimizer(step_on_local_shards=...), on by default")
     p.add_argument("--reduces-in-flight", type=int, default=None,

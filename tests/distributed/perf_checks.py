@@ -91,7 +91,7 @@ def pool_disabled():
 
 @contextlib.contextmanager
 def pool_enabled():
-    """The process-wide pool switched on (it is opt-in, see megatron_fsdp/allocator.py)."""
+    """The process-wide pool switched on (the default, unless MEGATRON_FSDP_BUFFER_POOL=0)."""
     pool = default_pool()
     saved, pool.wanted = pool.wanted, True
     try:
