@@ -35,6 +35,34 @@ class FSDPModule:
             if isinstance(module, FSDPModule):
                 yield module.fsdp_unit
 
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        """``nn.Module._apply`` (``to_empty``, ``to`` ...) on the sharded parameters, kept in our shards.
+
+        Resharded first, as FSDP2 does, so that it sees the sharded parameters. ``fn``
+        runs on each sharded parameter's (and gradient's) local piece, re-wrapped in our
+        placement: stock DTensor ops would lay a ``RaggedShard`` out by even chunks. Then
+        each group takes the new values into its flat shard (``ParamGroup.applied``).
+        Children that are units do the same in their own ``_apply``.
+        """
+        self.reshard()
+        params, grads = {}, {}
+        for group in self.fsdp_unit.groups:
+            for index, param in enumerate(group.sharded_params):
+                params[id(param)] = (group, index)
+                if param.grad is not None:
+                    grads[id(param.grad)] = (group, index)
+
+        def on_local_pieces(tensor):  # noqa: ANN001, ANN202
+            if id(tensor) in params:
+                group, index = params[id(tensor)]
+                return group.applied(index, tensor, fn(tensor.to_local()))
+            if id(tensor) in grads:
+                group, index = grads[id(tensor)]
+                return group.as_dtensor(index, fn(tensor.to_local()))
+            return fn(tensor)
+
+        return super()._apply(on_local_pieces, recurse)  # type: ignore[misc]
+
     def unshard(self) -> None:
         """All-gather this unit's parameters and install the unsharded views."""
         self.fsdp_unit.unshard()

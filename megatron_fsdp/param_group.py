@@ -253,6 +253,30 @@ class ParamGroup:
         param._megatron_fsdp_sharded = True
         return param
 
+    def applied(self, index: int, param: torch.Tensor, new_local: torch.Tensor) -> torch.Tensor:
+        """``nn.Module._apply`` (``to_empty``, ``to`` ...) gave parameter ``index`` the local piece ``new_local``.
+
+        Returns what the parameter becomes: a DTensor over this group's flat shard again,
+        holding ``new_local``'s values. Otherwise the all-gather would go on reading the
+        old shard, and FSDP2's meta-device idiom (``to_empty`` then
+        ``reset_parameters()``) would train on other weights. A new device or dtype
+        cannot be taken in place and raises.
+        """
+        view = self.shard_view(index)
+        if new_local is param.to_local():
+            return param  # nothing changed (e.g. .to() the device it is on)
+        if new_local.device != view.device or new_local.dtype != view.dtype or new_local.shape != view.shape:
+            raise NotImplementedError(
+                f"parameter '{self.refs[index].fqn}' would become {new_local.dtype} {tuple(new_local.shape)} on "
+                f"{new_local.device} after fully_shard (its shard is {view.dtype} {tuple(view.shape)} on "
+                f"{view.device}); move and cast the module before fully_shard, or use mp_policy for the compute dtype"
+            )
+        with torch.no_grad():
+            view.copy_(new_local)
+        self.needs_init = False  # initialised by the caller (e.g. reset_parameters after to_empty)
+        self.mark_compute_stale()
+        return self.as_dtensor(index, view)
+
     def _make_unsharded_param(self, index: int) -> nn.Parameter:
         slot = self.layout.slots[index]
         source = self.unsharded.data if self.gathers else self.compute_shard
