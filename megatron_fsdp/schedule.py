@@ -30,8 +30,9 @@ exact as the others, only slower where the forward order differs from module ord
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -147,6 +148,7 @@ class CollectiveSchedule:
         self._reduce_next = 0
         self._issued: set[int] = set()  # groups reduced in this backward (by index)
         self.control_rounds = 0  # since construction, for tests and accounting
+        self._names: dict[int, str] | None = None  # module -> name under the root, for messages
         # What this rank issued, compared across ranks by every closing round: the
         # all-gathers of this phase, the reductions of the last backward.
         self._gather_log: list[int] = []
@@ -233,6 +235,32 @@ class CollectiveSchedule:
     # -- weights ------------------------------------------------------------
     def need_weights(self, unit: FSDPUnit) -> None:
         """``unit`` is about to compute: gather its weights in agreed order and wait for them."""
+        with self.waiting_for(f"the all-gather of {self.describe(unit)}'s weights"):
+            self._need_weights(unit)
+
+    def describe(self, unit: FSDPUnit) -> str:
+        """``'blocks.0' (Block)``: a unit's name under the root, for messages."""
+        if self._names is None:
+            root = self.units[0].module
+            self._names = {id(m): name for name, m in root.named_modules()}
+        module = unit.module
+        cls = type(module)
+        return f"'{self._names.get(id(module), '?')}' ({cls.__bases__[-1].__name__})"
+
+    @contextlib.contextmanager
+    def waiting_for(self, what: str) -> Iterator[None]:
+        """Name the collective a failed or timed-out wait was for, and the likely cause."""
+        try:
+            yield
+        except RuntimeError as exc:  # gloo raises RuntimeError, NCCL DistBackendError (a subclass)
+            phase = self.phase.value if self.phase is not None else "step"
+            raise type(exc)(
+                f"{what} failed in the {phase} ({exc}). If it timed out, another data-parallel rank "
+                "did not reach the same point: every rank must run the sharded model's forward and "
+                "backward the same number of times (e.g. the same number of batches per rank)"
+            ) from exc
+
+    def _need_weights(self, unit: FSDPUnit) -> None:
         cursor = self.cursor
         if cursor is None or not is_zero3(unit) or all(
             g.state.value == "unsharded" for g in unit.groups if g.gathers
@@ -367,7 +395,8 @@ class CollectiveSchedule:
             payload[-4:] = torch.tensor([gathers, -gathers, self._last_reduce_digest, -self._last_reduce_digest])
         if self.control is not None and dist.get_world_size(self.control) > 1:
             on_device = payload.to(self.device)
-            all_reduce_max(on_device, self.control)
+            with self.waiting_for("a control round (schedule.py)"):
+                all_reduce_max(on_device, self.control)
             payload = on_device.cpu()
         self.control_rounds += 1
         values = payload.tolist()

@@ -115,7 +115,9 @@ class RootState:
     def _finish_oldest(self) -> None:
         with trace_range(REDUCE_WAIT, self.root.device):
             reduce = self._in_flight.popleft()
-            reduce.finish()
+            unit = self.schedule.unit_of[id(reduce.group)]
+            with self.schedule.waiting_for(f"the gradient reduction of {self.schedule.describe(unit)}"):
+                reduce.finish()
         if reduce.defer_install:
             self._zeros_only.append(reduce)
         if reduce.scratch is not None:  # the next unit's backward re-uses it
