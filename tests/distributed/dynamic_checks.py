@@ -146,6 +146,31 @@ def hsdp_with_idle_experts_matches_ddp() -> None:
 
 
 @check(SUITE)
+def whole_model_api_with_idle_experts_matches_ddp() -> None:
+    """fully_shard_model + fully_shard_optimizer (Megatron-FSDP's API) on the same routing."""
+    from megatron_fsdp import fully_shard_model, fully_shard_optimizer
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for strategy in (3, 1):
+        for case in ("skip", "twice", "none"):
+            torch.manual_seed(0)
+            base = MoE()
+            ddp = DDP(copy.deepcopy(base), find_unused_parameters=True)
+            model = fully_shard_model(copy.deepcopy(base), fsdp_unit_modules=[Expert], zero_dp_strategy=strategy)
+            opts = [fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1)),
+                    torch.optim.SGD(ddp.parameters(), lr=0.1)]
+            for step in range(STEPS):
+                x, target = batch(rank, step)
+                for m, opt in zip((model, ddp), opts):
+                    opt.zero_grad()
+                    nn.functional.mse_loss(m(x, route(case, rank, step)), target).backward()
+                    opt.step()
+            reference = dict(ddp.module.named_parameters())
+            for name, param in model.named_parameters():
+                compare(param.full_tensor(), reference[name], n, f"whole-model ZeRO-{strategy} {case} {name}")
+
+
+@check(SUITE)
 def zero3_keep_weights_after_forward_with_idle_experts() -> None:
     train_both("skip", "optim_grads_params", reshard_after_forward=False)
     train_both("twice", "optim_grads_params", reshard_after_forward=False)
