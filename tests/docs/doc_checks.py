@@ -18,7 +18,9 @@ reader's side of this convention. What the runner provides:
   ``loss_fn(logits, tokens)``;
 - with ``setup=model``: also ``model = MyTransformer()``, not sharded; with
   ``setup=sharded``: ``model`` sharded with ``fully_shard`` bottom-up and ``optimizer``
-  (AdamW on its parameters).
+  (AdamW on its parameters);
+- a working directory of its own, shared by the block's ranks and removed afterwards,
+  for the files it writes (checkpoints).
 
 Every block is a check of the suite ``docs`` (tests/docs/test_doc_snippets.py), named
 after its file and line, so a failure points at the example.
@@ -38,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.distributed.harness import check
+from tests.distributed.harness import check, shared_tmpdir
 
 SUITE = "docs"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -201,8 +203,14 @@ def run_block(block: DocBlock) -> None:
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(dist.get_world_size()))
     namespace = fixtures(block.setup)
-    with harness_process_group():
-        exec(compile(block.code, f"{block.path}:{block.line}", "exec"), namespace)
+    cwd = os.getcwd()
+    # Files a block writes (checkpoints) land in a directory of its own, shared by its ranks.
+    with shared_tmpdir("mfsdp_doc_") as workdir, harness_process_group():
+        os.chdir(workdir)
+        try:
+            exec(compile(block.code, f"{block.path}:{block.line}", "exec"), namespace)
+        finally:
+            os.chdir(cwd)
 
 
 def _register(block: DocBlock) -> None:
