@@ -21,7 +21,7 @@ DDP's C++ reducer cannot be wrapped, so its figure is the size of its gradient
 all-reduce payload.
 
 megatron_fsdp keeps freed unsharded weights and gradient buffers in a pool
-(``megatron_fsdp.allocator``); that memory is resident between steps, so its size is
+(``megatron_fsdp.memory.allocator``); that memory is resident between steps, so its size is
 counted as persistent state. The pool size is printed.
 
 Memory model (printed for megatron_fsdp beside the measurement), per rank:
@@ -60,7 +60,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from train_fully_shard import GPT  # noqa: E402
 
 import megatron_fsdp  # noqa: E402
-from megatron_fsdp.allocator import default_pool, pool_stats  # noqa: E402
+from megatron_fsdp.memory.allocator import default_pool, pool_stats  # noqa: E402
 
 FLAT_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor")
 fsdp2_bytes: Counter = Counter()
@@ -243,9 +243,9 @@ def main() -> None:
     count_torch_collectives()
     default_pool().keep_between_steps = args.pool == "keep"
     default_pool().wanted = args.pool != "off"
-    megatron_fsdp.collectives.gloo_fast_paths = args.gloo_paths == "on"
+    megatron_fsdp.comm.collectives.gloo_fast_paths = args.gloo_paths == "on"
     if args.reduces_in_flight is not None:
-        from megatron_fsdp import state
+        from megatron_fsdp.core import state
 
         state.MAX_REDUCES_IN_FLIGHT = args.reduces_in_flight
     torch.manual_seed(0)

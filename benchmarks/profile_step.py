@@ -26,8 +26,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare import GPT, build  # noqa: E402
 
-from megatron_fsdp.allocator import pool_stats  # noqa: E402
-from megatron_fsdp.profiling import RANGE_NAMES  # noqa: E402
+from megatron_fsdp.comm.profiling import RANGE_NAMES  # noqa: E402
+from megatron_fsdp.memory.allocator import pool_stats  # noqa: E402
 
 
 def main() -> None:

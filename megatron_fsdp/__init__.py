@@ -7,25 +7,25 @@ Public API (see docs/api.md, docs/whole_model_api.md, docs/checkpointing.md)::
     from megatron_fsdp.mcore import FullyShardedDataParallel   # the Megatron-Core adapter
 """
 
-from .checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
-from .checkpoint_export import export_full_state_dict, import_full_state_dict
-from .checkpoint_io import load_state, save_state
-from .checkpoint_state import CheckpointMismatchError
-from .collectives import comm_stats
-from .config import DistributedDataParallelConfig
-from .fully_shard import fully_shard
-from .fully_shard_model import MegatronPrecisionPolicy, fully_shard_model
-from .grad_norm import clip_grad_norm_, get_grad_norm
-from .grad_scaling import GradScaling
-from .init import materialize_meta
-from .megatron_fsdp import MegatronFSDP
-from .microbatch import microbatch
-from .mixed_precision import MixedPrecisionPolicy
-from .module import FSDPModule
-from .no_shard import fsdp_no_shard
-from .optimizer import fully_shard_optimizer
-from .ragged_shard import RaggedShard, full_tensor
-from .strategy import STRATEGIES, ShardingPlan
+from megatron_fsdp.api.config import DistributedDataParallelConfig
+from megatron_fsdp.api.fully_shard_model import MegatronPrecisionPolicy, fully_shard_model
+from megatron_fsdp.api.megatron_fsdp import MegatronFSDP
+from megatron_fsdp.checkpoint.export import export_full_state_dict, import_full_state_dict
+from megatron_fsdp.checkpoint.iterations import LoadedCheckpoint, load_checkpoint, save_checkpoint
+from megatron_fsdp.checkpoint.sharded_io import load_state, save_state
+from megatron_fsdp.checkpoint.state_dicts import CheckpointMismatchError
+from megatron_fsdp.comm.collectives import comm_stats
+from megatron_fsdp.core.grad_scaling import GradScaling
+from megatron_fsdp.core.meta_init import materialize_meta
+from megatron_fsdp.core.microbatch import microbatch
+from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.core.module import FSDPModule
+from megatron_fsdp.fully_shard import fully_shard
+from megatron_fsdp.optim.grad_norm import clip_grad_norm_, get_grad_norm
+from megatron_fsdp.optim.optimizer import fully_shard_optimizer
+from megatron_fsdp.sharding.no_shard import fsdp_no_shard
+from megatron_fsdp.sharding.ragged_shard import RaggedShard, full_tensor
+from megatron_fsdp.sharding.strategy import STRATEGIES, ShardingPlan
 
 __all__ = [
     "STRATEGIES",

@@ -41,7 +41,7 @@ RESUME_KEYS = ("scheduler", "consumed_train_samples", "consumed_valid_samples")
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's module under DDP / FullyShardedDataParallel / MegatronFSDP wrappers."""
-    from megatron_fsdp.module import FSDPModule
+    from megatron_fsdp.core.module import FSDPModule
 
     while hasattr(model, "module") and isinstance(model.module, nn.Module) and not isinstance(model, FSDPModule):
         model = model.module
@@ -89,7 +89,7 @@ def check_save_target(args: argparse.Namespace, iteration: int) -> None:
     if not args.save:
         return
     from megatron_fsdp.checkpoint import TRACKER_FILE, read_latest_iteration
-    from megatron_fsdp.checkpoint_io import run_on_first
+    from megatron_fsdp.checkpoint.sharded_io import run_on_first
 
     def check() -> None:
         if not os.path.isfile(os.path.join(args.save, TRACKER_FILE)):
@@ -158,7 +158,7 @@ def load(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Opti
          scheduler: OptimizerParamScheduler) -> int:
     """Resume from ``--load``; returns the iteration to continue from (0 for a fresh start or --finetune)."""
     from megatron_fsdp.checkpoint import load_checkpoint
-    from megatron_fsdp.checkpoint_io import run_on_first
+    from megatron_fsdp.checkpoint.sharded_io import run_on_first
 
     fresh = run_on_first(lambda: _locate(args), None)
     if fresh is not None:

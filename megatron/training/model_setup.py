@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from megatron_fsdp.config import DistributedDataParallelConfig
+from megatron_fsdp.api.config import DistributedDataParallelConfig
 
 from .initialize import print_rank_0
 
@@ -82,7 +82,7 @@ def build_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.O
         eps=args.adam_eps, weight_decay=args.weight_decay,
     )
     if args.use_megatron_fsdp:
-        from megatron_fsdp.optimizer import fully_shard_optimizer
+        from megatron_fsdp.optim.optimizer import fully_shard_optimizer
 
         optimizer = fully_shard_optimizer(optimizer)
     return optimizer

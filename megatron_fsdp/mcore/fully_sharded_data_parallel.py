@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..config import check_adapter_options
-from ..megatron_fsdp import TransparentWrapper
+from megatron_fsdp.api.config import check_adapter_options
+from megatron_fsdp.api.fully_shard_model import fully_shard_model
+from megatron_fsdp.api.megatron_fsdp import TransparentWrapper
 
 
 def _base_class() -> type:
@@ -101,8 +102,6 @@ class FullyShardedDataParallel(TransparentWrapper, _BASE):
                 dist.get_backend()) and torch.cuda.is_available() else torch.device("cpu")
         mesh = _data_parallel_mesh(ddp_config, device)
         hsdp = mesh.ndim == 2
-        from ..fully_shard_model import fully_shard_model
-
         self.module = fully_shard_model(
             module,
             fsdp_unit_modules=units,

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp
 from megatron_fsdp import comm_stats, fsdp_no_shard, fully_shard, microbatch
-from megatron_fsdp.no_shard import is_marked_no_shard
+from megatron_fsdp.sharding.no_shard import is_marked_no_shard
 from tests.distributed.engine_checks import shard_net, world
 from tests.distributed.harness import check
 

@@ -14,12 +14,13 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from megatron_fsdp import comm_stats
+from megatron_fsdp.api.fully_shard_model import fully_shard_model
+from megatron_fsdp.api.megatron_fsdp import MegatronFSDP
+from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.core.steps import named_sharded_parameters
 from megatron_fsdp.fully_shard import fully_shard
-from megatron_fsdp.fully_shard_model import fully_shard_model
-from megatron_fsdp.grad_norm import clip_grad_norm_, get_grad_norm
-from megatron_fsdp.megatron_fsdp import MegatronFSDP, named_sharded_parameters
-from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
-from megatron_fsdp.optimizer import fully_shard_optimizer
+from megatron_fsdp.optim.grad_norm import clip_grad_norm_, get_grad_norm
+from megatron_fsdp.optim.optimizer import fully_shard_optimizer
 from tests.distributed.engine_checks import assert_close_params, expect_error, world
 from tests.distributed.harness import check
 

@@ -42,7 +42,7 @@ from megatron_fsdp.checkpoint import (
     save_checkpoint,
     save_state,
 )
-from megatron_fsdp.checkpoint_export import (
+from megatron_fsdp.checkpoint.export import (
     export_full_state_dict,
     import_full_state_dict,
     read_full_tensor,
@@ -661,7 +661,7 @@ def export_and_import_full_state_dict() -> None:
                     torch.testing.assert_close(fresh(batch_for(0, 0, 1)), ref(batch_for(0, 0, 1)), rtol=1e-5,
                                                atol=1e-5)
         if rank == 0:
-            from megatron_fsdp.checkpoint_safetensors import read_header
+            from megatron_fsdp.checkpoint.safetensors_stream import read_header
 
             header, _ = read_header(os.path.join(root, "live.safetensors"))
             assert set(header) == set(expected), sorted(header)

@@ -1,7 +1,7 @@
 """HSDP with outer_sharding_strategy='optim' (2 x 2 mesh at 4 ranks).
 
 Main weights, gradients and optimizer state split across all four ranks;
-compute weights sharded only within dp_shard (see megatron_fsdp/outer_shard.py).
+compute weights sharded only within dp_shard (see megatron_fsdp/sharding/outer_shard.py).
 Figures (worst errors, bytes) are printed by rank 0: run pytest with ``-s``.
 """
 
@@ -19,13 +19,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp
 from megatron_fsdp.checkpoint import load_state, save_state
-from megatron_fsdp.collectives import comm_stats
+from megatron_fsdp.comm.collectives import comm_stats
+from megatron_fsdp.core.microbatch import microbatch
+from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.fully_shard import fully_shard
-from megatron_fsdp.grad_norm import clip_grad_norm_
-from megatron_fsdp.microbatch import microbatch
-from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
-from megatron_fsdp.no_shard import fsdp_no_shard
-from megatron_fsdp.ragged_shard import RaggedShard
+from megatron_fsdp.optim.grad_norm import clip_grad_norm_
+from megatron_fsdp.sharding.no_shard import fsdp_no_shard
+from megatron_fsdp.sharding.ragged_shard import RaggedShard
 from tests.distributed.accumulation_checks import single_process_adamw
 from tests.distributed.engine_checks import assert_close_params, expect_error, world
 from tests.distributed.harness import check, shared_tmpdir
@@ -214,7 +214,7 @@ def gradient_clipping_parity() -> None:
 
 @check(SUITE, world_sizes=(4,))
 def meta_init_bitwise_equal_to_eager() -> None:
-    from megatron_fsdp.init import materialize_meta
+    from megatron_fsdp.core.meta_init import materialize_meta
     from tests.distributed.init_checks import MetaNet
 
     rank, n = world()

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from models import Block, Net, local_batch, loss_fn
 
 from megatron_fsdp import comm_stats, fully_shard
-from megatron_fsdp.allocator import BufferPool
-from megatron_fsdp.collectives import works_in_flight
+from megatron_fsdp.comm.collectives import works_in_flight
+from megatron_fsdp.memory.allocator import BufferPool
 from tests.distributed.harness import check
 
 SUITE = "inflight"

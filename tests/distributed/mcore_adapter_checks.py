@@ -30,7 +30,7 @@ try:
 
     HAVE_MCORE = True
 except ImportError:
-    from megatron_fsdp.config import DistributedDataParallelConfig
+    from megatron_fsdp.api.config import DistributedDataParallelConfig
 
     HAVE_MCORE = False
 

@@ -10,9 +10,10 @@ import torch.distributed as dist
 from models import Block, Net, local_batch, loss_fn
 from torch import nn
 
-from megatron_fsdp import allocator, fully_shard
-from megatron_fsdp.allocator import default_pool
-from megatron_fsdp.profiling import RANGE_NAMES
+from megatron_fsdp import fully_shard
+from megatron_fsdp.comm.profiling import RANGE_NAMES
+from megatron_fsdp.memory import allocator
+from megatron_fsdp.memory.allocator import default_pool
 from tests.distributed.engine_checks import shard_net, world
 from tests.distributed.harness import check
 
@@ -194,7 +195,7 @@ def _pooled_gradients_match_unsharded_model() -> None:
 
 @check(SUITE, world_sizes=(2,))
 def gradient_buffers_are_reused_within_backward_and_dropped_after() -> None:
-    from megatron_fsdp import grad_buffers
+    from megatron_fsdp.memory import grad_buffers
 
     model = sharded_stack()  # six equal block units under a root without parameters of its own
     train_steps(model, 1)  # warm-up

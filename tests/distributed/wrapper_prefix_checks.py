@@ -36,9 +36,9 @@ from megatron_fsdp import (
     fully_shard_optimizer,
 )
 from megatron_fsdp.checkpoint import iteration_dir, load_checkpoint, load_state, save_checkpoint, save_state
-from megatron_fsdp.checkpoint_cli import main as checkpoint_cli
-from megatron_fsdp.checkpoint_export import export_full_state_dict, import_full_state_dict
-from megatron_fsdp.checkpoint_safetensors import read_header
+from megatron_fsdp.checkpoint.cli import main as checkpoint_cli
+from megatron_fsdp.checkpoint.export import export_full_state_dict, import_full_state_dict
+from megatron_fsdp.checkpoint.safetensors_stream import read_header
 from megatron_fsdp.mcore import FullyShardedDataParallel
 from tests.distributed.harness import check, shared_tmpdir
 

@@ -20,8 +20,10 @@ import warnings
 
 import torch
 
-from megatron_fsdp import checkpoint, checkpoint_dirs, checkpoint_io
+from megatron_fsdp.checkpoint import dirs as checkpoint_dirs
+from megatron_fsdp.checkpoint import iterations as checkpoint
 from megatron_fsdp.checkpoint import load_checkpoint, read_latest_iteration, save_checkpoint
+from megatron_fsdp.checkpoint import sharded_io as checkpoint_io
 
 
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

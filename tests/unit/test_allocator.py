@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from megatron_fsdp.allocator import BufferPool
-from megatron_fsdp.buffer import FlatBuffer
+from megatron_fsdp.memory.allocator import BufferPool
+from megatron_fsdp.memory.buffer import FlatBuffer
 
 pytestmark = pytest.mark.skipif(not BufferPool().enabled, reason="this torch cannot move storage memory")
 

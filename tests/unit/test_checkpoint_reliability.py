@@ -17,7 +17,6 @@ import pytest
 import torch
 from models import Net, global_batch, loss_fn
 
-from megatron_fsdp import checkpoint_dirs
 from megatron_fsdp.checkpoint import (
     TRACKER_FILE,
     CheckpointCorruptError,
@@ -26,9 +25,10 @@ from megatron_fsdp.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from megatron_fsdp.checkpoint_cli import main as cli
-from megatron_fsdp.checkpoint_integrity import MANIFEST_FILE, file_digest
-from megatron_fsdp.checkpoint_io import load_state, save_state
+from megatron_fsdp.checkpoint import dirs as checkpoint_dirs
+from megatron_fsdp.checkpoint.cli import main as cli
+from megatron_fsdp.checkpoint.integrity import MANIFEST_FILE, file_digest
+from megatron_fsdp.checkpoint.sharded_io import load_state, save_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

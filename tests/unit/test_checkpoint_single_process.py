@@ -13,11 +13,11 @@ import torch
 from models import Net, global_batch, loss_fn
 
 from megatron_fsdp.checkpoint import load_checkpoint, save_checkpoint
-from megatron_fsdp.checkpoint_cli import main
-from megatron_fsdp.checkpoint_export import export_full_state_dict, import_full_state_dict
-from megatron_fsdp.checkpoint_io import load_state, save_state
-from megatron_fsdp.checkpoint_safetensors import SafetensorsWriter, TensorSpec, read_header, read_tensor
-from megatron_fsdp.checkpoint_state import CheckpointMismatchError
+from megatron_fsdp.checkpoint.cli import main
+from megatron_fsdp.checkpoint.export import export_full_state_dict, import_full_state_dict
+from megatron_fsdp.checkpoint.safetensors_stream import SafetensorsWriter, TensorSpec, read_header, read_tensor
+from megatron_fsdp.checkpoint.sharded_io import load_state, save_state
+from megatron_fsdp.checkpoint.state_dicts import CheckpointMismatchError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -103,7 +103,7 @@ def test_megatron_layout_and_cli_export(tmp_path, capsys):
         out = str(tmp_path / f"model.{ext}")
         argv = ["export", "--checkpoint", save_dir, "--output", out]
         if ext == "safetensors":  # the real entry point once; in-process otherwise (start-up is slow)
-            done = subprocess.run([sys.executable, "-m", "megatron_fsdp.checkpoint_cli", *argv], env=env,
+            done = subprocess.run([sys.executable, "-m", "megatron_fsdp.checkpoint", *argv], env=env,
                                   capture_output=True, text=True)
             assert done.returncode == 0, done.stderr
         else:

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_ncc
 
 
 def test_collectives_run_from_side_streams_and_order_after_producers(nccl_group):
-    from megatron_fsdp import collectives
+    from megatron_fsdp.comm import collectives
 
     group = dist.group.WORLD
     shard = torch.empty(1 << 20, device="cuda")
@@ -31,7 +31,7 @@ def test_collectives_run_from_side_streams_and_order_after_producers(nccl_group)
 
 
 def test_pool_orders_reuse_after_last_user(nccl_group):
-    from megatron_fsdp.allocator import BufferPool
+    from megatron_fsdp.memory.allocator import BufferPool
 
     pool = BufferPool()
     first = pool.tensor(1 << 20, torch.float32, torch.device("cuda"))
@@ -53,7 +53,7 @@ def test_sharded_training_with_pool_and_streams_matches_plain_model(nccl_group):
     import copy
 
     from megatron_fsdp import fully_shard
-    from megatron_fsdp.allocator import default_pool
+    from megatron_fsdp.memory.allocator import default_pool
 
     torch.manual_seed(0)
     base = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).cuda()

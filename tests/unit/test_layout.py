@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from megatron_fsdp.layout import build_flat_layout
+from megatron_fsdp.sharding.layout import build_flat_layout
 
 
 def assert_valid(layout):

@@ -11,9 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_fsdp.config import DDP_CONFIG_STATUS, DistributedDataParallelConfig, check_adapter_options
-from megatron_fsdp.fully_shard import fully_shard
-from megatron_fsdp.fully_shard_model import (
+from megatron_fsdp.api.config import DDP_CONFIG_STATUS, DistributedDataParallelConfig, check_adapter_options
+from megatron_fsdp.api.fully_shard_model import (
     _REJECTED,
     FULLY_SHARD_MODEL_OPTIONS,
     MegatronPrecisionPolicy,
@@ -21,7 +20,8 @@ from megatron_fsdp.fully_shard_model import (
     precision_policy,
     resolve_unit_modules,
 )
-from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.fully_shard import fully_shard
 
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "options.md")
 

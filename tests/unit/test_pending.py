@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_fsdp import collectives
-from megatron_fsdp.collectives import Pending, _issuing, works_in_flight
+from megatron_fsdp.comm import collectives
+from megatron_fsdp.comm.collectives import Pending, _issuing, works_in_flight
 
 
 class FakeWork:

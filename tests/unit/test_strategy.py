@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 import megatron_fsdp
-from megatron_fsdp.strategy import STRATEGIES, resolve_strategy
+from megatron_fsdp.sharding.strategy import STRATEGIES, resolve_strategy
 
 
 def test_presets_are_data():

@@ -3,7 +3,7 @@
 Views taken of the buffer stay valid objects across ``free()``/``allocate()``
 (only their storage's memory comes and goes), so unsharded parameters are created
 once and re-pointed at fresh data by an all-gather, with no copy and no
-re-registration. The memory is borrowed from a ``BufferPool`` (allocator.py), so
+re-registration. The memory is borrowed from a ``BufferPool`` (memory/allocator.py), so
 units and steps reuse it instead of allocating afresh. It knows nothing of
 sharding, optimizers or precision.
 """
@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from .allocator import BufferPool, default_pool
+from megatron_fsdp.memory.allocator import BufferPool, default_pool
 
 
 class FlatBuffer:

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint_dirs import resolve_committed
-from .checkpoint_integrity import CheckpointCorruptError, CheckpointIncompleteError, read_part
-from .checkpoint_io import (
+from megatron_fsdp.checkpoint.dirs import resolve_committed
+from megatron_fsdp.checkpoint.integrity import CheckpointCorruptError, CheckpointIncompleteError, read_part
+from megatron_fsdp.checkpoint.sharded_io import (
     LoadResult,
     agree,
     group_rank,
@@ -44,7 +44,7 @@ from .checkpoint_io import (
     verify_checkpoint,
     write_file_atomically,
 )
-from .checkpoint_state import CheckpointMismatchError
+from megatron_fsdp.checkpoint.state_dicts import CheckpointMismatchError
 
 __all__ = [
     "CheckpointCorruptError",

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .collectives import all_gather, all_reduce
+from megatron_fsdp.comm.collectives import all_gather, all_reduce
+from megatron_fsdp.core.module import FSDPModule
 
 ParamsOrModel = nn.Module | torch.Tensor | Iterable[torch.Tensor]
 
@@ -32,8 +33,6 @@ def sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
     Unlike ``model.parameters()`` it never returns the gathered (unsharded)
     parameters that modules hold between forward and the end of backward.
     """
-    from .module import FSDPModule
-
     model = getattr(model, "module", model) if not isinstance(model, FSDPModule) else model
     params: dict[int, nn.Parameter] = {}
     gathered: set[int] = set()

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from megatron_fsdp.core.lookup import units_of
+
 
 @dataclass(frozen=True)
 class MicrobatchFlags:
@@ -67,14 +69,12 @@ def microbatch(module: nn.Module, is_first: bool, is_last: bool | None = None) -
             full-size gradient reductions are deferred), or None (unknown: reduce
             every backward, as outside the context).
     """
-    from .module import FSDPModule
-
     if not isinstance(module, nn.Module):
         raise TypeError(f"microbatch: module must be an nn.Module, got {type(module).__name__}")
     _check_flag("is_first", is_first)
     if is_last is not None:
         _check_flag("is_last", is_last)
-    units = [m.fsdp_unit for m in module.modules() if isinstance(m, FSDPModule)]
+    units = units_of(module)
     if not units:
         raise ValueError(
             f"microbatch({type(module).__name__}): the module contains no fully_shard-ed module; "

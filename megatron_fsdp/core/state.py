@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch.autograd import Variable
 
-from . import grad_buffers
-from .allocator import default_pool
-from .profiling import REDUCE_WAIT, trace_range
-from .schedule import CollectiveSchedule
+from megatron_fsdp.comm.profiling import REDUCE_WAIT, trace_range
+from megatron_fsdp.core.schedule import CollectiveSchedule
+from megatron_fsdp.memory import grad_buffers
+from megatron_fsdp.memory.allocator import default_pool
 
 if TYPE_CHECKING:
-    from .param_group import PendingReduce
-    from .unit import FSDPUnit
+    from megatron_fsdp.core.param_group import PendingReduce
+    from megatron_fsdp.core.unit import FSDPUnit
 
 MAX_REDUCES_IN_FLIGHT = 2
 LANDING_WAIT_S = 0.05
@@ -73,7 +73,7 @@ class RootState:
         self.schedule.need_weights(unit)
 
     def end_forward(self) -> None:
-        """The root's forward finished: close the phase with every rank (schedule.py)."""
+        """The root's forward finished: close the phase with every rank (core/schedule.py)."""
         self.schedule.end_forward([unit.forward_grad_calls > 0 for unit in self.units])
         self._forward_without_backward = True
         if not torch.is_grad_enabled():
@@ -95,7 +95,7 @@ class RootState:
 
         Where waiting blocks the host (gloo), the oldest is waited for at most
         ``LANDING_WAIT_S`` and otherwise left in flight: another rank may be waiting
-        for this one in a control round (schedule.py) before it can issue its part
+        for this one in a control round (core/schedule.py) before it can issue its part
         of that reduction. On CUDA a wait only orders streams and never blocks.
         """
         if reduce is None:

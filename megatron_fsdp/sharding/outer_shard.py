@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .collectives import all_gather
-from .mesh import DataParallelMesh
+from megatron_fsdp.comm.collectives import all_gather
+from megatron_fsdp.sharding.mesh import DataParallelMesh
 
 _FLAT_DIM = "_megatron_fsdp_dp"
 # (device type, ranks) -> 1-D mesh; built collectively once, then shared by every group.

@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .collectives import Pending, all_gather, all_reduce_max
+from megatron_fsdp.comm.collectives import Pending, all_gather, all_reduce_max
 
 if TYPE_CHECKING:
-    from .param_group import ParamGroup, PendingReduce
-    from .unit import FSDPUnit
+    from megatron_fsdp.core.param_group import ParamGroup, PendingReduce
+    from megatron_fsdp.core.unit import FSDPUnit
 
 
 class Phase(enum.Enum):
@@ -395,7 +395,7 @@ class CollectiveSchedule:
             payload[-4:] = torch.tensor([gathers, -gathers, self._last_reduce_digest, -self._last_reduce_digest])
         if self.control is not None and dist.get_world_size(self.control) > 1:
             on_device = payload.to(self.device)
-            with self.waiting_for("a control round (schedule.py)"):
+            with self.waiting_for("a control round (core/schedule.py)"):
                 all_reduce_max(on_device, self.control)
             payload = on_device.cpu()
         self.control_rounds += 1

@@ -13,11 +13,10 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from .grad_scaling import resolve_grad_scaling
-from .unit import FSDPUnit
-from .validation import check_bool, check_reshard_after_forward
-
-_UNIT_ATTR = "_megatron_fsdp_unit"
+from megatron_fsdp.core.grad_scaling import resolve_grad_scaling
+from megatron_fsdp.core.lookup import UNIT_ATTR, units_of
+from megatron_fsdp.core.unit import FSDPUnit
+from megatron_fsdp.core.validation import check_bool, check_reshard_after_forward
 
 
 class FSDPModule:
@@ -25,15 +24,13 @@ class FSDPModule:
 
     @property
     def fsdp_unit(self) -> FSDPUnit:
-        return self.__dict__[_UNIT_ATTR]
+        return self.__dict__[UNIT_ATTR]
 
     def _fsdp_units(self, recurse: bool) -> Iterator[FSDPUnit]:
         if not recurse:
             yield self.fsdp_unit
             return
-        for module in self.modules():  # type: ignore[attr-defined]
-            if isinstance(module, FSDPModule):
-                yield module.fsdp_unit
+        yield from units_of(self)  # type: ignore[arg-type]
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module's signature
         """``nn.Module._apply`` (``to_empty``, ``to`` ...) on the sharded parameters, kept in our shards.
@@ -132,5 +129,5 @@ def make_fsdp_module(module: nn.Module, unit: FSDPUnit) -> nn.Module:
         subclass = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
         _SUBCLASSES[cls] = subclass
     module.__class__ = subclass
-    module.__dict__[_UNIT_ATTR] = unit
+    module.__dict__[UNIT_ATTR] = unit
     return module

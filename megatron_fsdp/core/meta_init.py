@@ -29,17 +29,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .collectives import broadcast
-from .param_group import ParamGroup
+from megatron_fsdp.comm.collectives import broadcast
+from megatron_fsdp.core.lookup import units_of
+from megatron_fsdp.core.param_group import ParamGroup
 
 
 def _pending_groups(root: nn.Module) -> list[ParamGroup]:
-    from .module import FSDPModule
-
     groups = []
-    for module in root.modules():
-        if isinstance(module, FSDPModule):
-            groups.extend(g for g in module.fsdp_unit.groups if g.needs_init)
+    for unit in units_of(root):
+        groups.extend(g for g in unit.groups if g.needs_init)
     return groups
 
 
@@ -76,10 +74,8 @@ def materialize_meta(root: nn.Module, init_fn: Callable[[nn.Module], None] | Non
     groups = _pending_groups(root)
     if not groups and not any(META_BUFFERS in m.__dict__ for m in root.modules()):
         return
-    from .module import FSDPModule
-
     # Any group of the model knows the data-parallel groups buffers are broadcast over.
-    anchor = next(g for m in root.modules() if isinstance(m, FSDPModule) for g in m.fsdp_unit.groups)
+    anchor = next(g for unit in units_of(root) for g in unit.groups)
     owner: dict[tuple[int, str], tuple[ParamGroup, int]] = {}
     for group in groups:
         for index, ref in enumerate(group.refs):

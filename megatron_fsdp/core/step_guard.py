@@ -29,11 +29,12 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from .param_group import GroupState, ParamGroup
-from .unit import TrainingState
+from megatron_fsdp.core.module import FSDPModule
+from megatron_fsdp.core.param_group import GroupState, ParamGroup
+from megatron_fsdp.core.unit import TrainingState
 
 if TYPE_CHECKING:
-    from .unit import FSDPUnit
+    from megatron_fsdp.core.unit import FSDPUnit
 
 _UNITS: weakref.WeakSet[FSDPUnit] = weakref.WeakSet()
 _HANDLE: RemovableHandle | None = None
@@ -49,8 +50,6 @@ def watch(unit: FSDPUnit) -> None:
 
 def _module_name(unit: FSDPUnit) -> str:
     """``'blocks.0' (Block)`` relative to the unit's root, or the class name before the first forward."""
-    from .module import FSDPModule
-
     module = unit.module
     cls = next(c for c in type(module).__mro__[1:] if not issubclass(c, FSDPModule)).__name__
     root = unit.root_state.root.module if unit.root_state is not None else None

@@ -27,16 +27,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from . import grad_buffers
-from .buffer import FlatBuffer
-from .collectives import Pending, all_gather, all_reduce, reduce_scatter
-from .grad_scaling import GradScaling
-from .layout import FlatLayout, build_flat_layout
-from .mesh import DataParallelMesh
-from .mixed_precision import MixedPrecisionPolicy
-from .outer_shard import gather_compute_shard, outer_shard_geometry
-from .ragged_shard import RaggedShard, full_tensor
-from .strategy import ShardingPlan
+from megatron_fsdp.comm.collectives import Pending, all_gather, all_reduce, reduce_scatter
+from megatron_fsdp.core.grad_scaling import GradScaling
+from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.memory import grad_buffers
+from megatron_fsdp.memory.buffer import FlatBuffer
+from megatron_fsdp.sharding.layout import FlatLayout, build_flat_layout
+from megatron_fsdp.sharding.mesh import DataParallelMesh
+from megatron_fsdp.sharding.outer_shard import gather_compute_shard, outer_shard_geometry
+from megatron_fsdp.sharding.ragged_shard import RaggedShard, full_tensor
+from megatron_fsdp.sharding.strategy import ShardingPlan
 
 _SKIPPED_ATTRS = {"_is_param", "main_grad", "grad_added_to_main_grad"}
 
@@ -70,7 +70,7 @@ class PendingReduce:
     output: torch.Tensor  # this rank's reduced shard, flat
     scratch: torch.Tensor | None = None  # the full gradient buffer, reusable once this lands
     # Only zeros went in from here: install the result only if another rank had
-    # gradients (decided by the root at the end of backward, see schedule.py).
+    # gradients (decided by the root at the end of backward, see core/schedule.py).
     defer_install: bool = False
     result: torch.Tensor | None = None  # the reduced main-shard part, once finished
     _outer: tuple[Pending, torch.Tensor] | None = None  # HSDP: the reduction across dp_outer
@@ -179,7 +179,7 @@ class ParamGroup:
         self.reduced_this_backward = False
         self.received_grads = False  # a gradient arrived here in this backward
         self.grads_complete = False  # every trainable parameter's gradient arrived in this backward
-        # Reductions run on a copy of process_group (schedule.py), so that they never
+        # Reductions run on a copy of process_group (core/schedule.py), so that they never
         # interleave with all-gathers differently on different ranks.
         self.reduce_process_group: dist.ProcessGroup = self.process_group
 

@@ -26,14 +26,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .fully_shard import default_mesh, fully_shard
-from .init import materialize_meta
-from .megatron_fsdp import MegatronFSDP, units_of
-from .mesh import _is_flattened, _names, resolve_mesh
-from .mixed_precision import MixedPrecisionPolicy
-from .module import FSDPModule
-from .optimizer import fully_shard_optimizer
-from .strategy import ShardingPlan, resolve_strategy
+from megatron_fsdp.api.megatron_fsdp import MegatronFSDP
+from megatron_fsdp.core.lookup import units_of
+from megatron_fsdp.core.meta_init import materialize_meta
+from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.core.module import FSDPModule
+from megatron_fsdp.core.shard_module import default_mesh, shard_module
+from megatron_fsdp.optim.optimizer import fully_shard_optimizer
+from megatron_fsdp.sharding.mesh import _is_flattened, _names, resolve_mesh
+from megatron_fsdp.sharding.strategy import ShardingPlan, resolve_strategy
 
 _OUTER_STRATEGIES = {0: "no_shard", 1: "optim", "no_shard": "no_shard", "optim": "optim"}
 
@@ -252,8 +253,8 @@ def fully_shard_model(
         outer_sharding_strategy=_OUTER_STRATEGIES[outer_dp_sharding_strategy], mp_policy=mp_policy,
     )
     for sub in _modules_to_shard(module, classes, enable_fine_grained_param_gather):
-        fully_shard(sub, **shard_kwargs)
-    root = fully_shard(module, **shard_kwargs)
+        shard_module(sub, **shard_kwargs)
+    root = shard_module(module, **shard_kwargs)
     if not isinstance(root, FSDPModule):
         raise ValueError(
             f"fully_shard_model({type(module).__name__}): every parameter outside the unit modules is marked "

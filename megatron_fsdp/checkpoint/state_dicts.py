@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from megatron_fsdp.core.module import FSDPModule
+
 logger = logging.getLogger("megatron_fsdp.checkpoint")
 
 MODEL_PREFIX = "model."
@@ -86,8 +88,6 @@ def reshard_all(model: nn.Module) -> None:
     After a forward without backward a unit may still hold its gathered weights;
     the state dict and the optimizer must see the sharded ones.
     """
-    from .module import FSDPModule
-
     torch_fsdp_module = _torch_fsdp_module_class()
     for module in unwrap(model).modules():
         if isinstance(module, FSDPModule) or (torch_fsdp_module is not None and isinstance(module, torch_fsdp_module)):

@@ -15,21 +15,21 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .grad_scaling import GradScaling
-from .microbatch import MicrobatchFlags
-from .mixed_precision import MixedPrecisionPolicy
-from .param_group import ParamGroup
-from .profiling import REDUCE_ISSUE, REDUCE_WAIT, RESHARD, UNSHARD_ISSUE, UNSHARD_WAIT, trace_range
-from .strategy import ShardingPlan
-
-if TYPE_CHECKING:
-    from .state import RootState
+from megatron_fsdp.comm.profiling import REDUCE_ISSUE, REDUCE_WAIT, RESHARD, UNSHARD_ISSUE, UNSHARD_WAIT, trace_range
+from megatron_fsdp.core.grad_scaling import GradScaling
+from megatron_fsdp.core.lookup import units_of
+from megatron_fsdp.core.meta_init import materialize_meta
+from megatron_fsdp.core.microbatch import MicrobatchFlags
+from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.core.param_group import ParamGroup
+from megatron_fsdp.core.state import RootState
+from megatron_fsdp.sharding.strategy import ShardingPlan
 
 
 class TrainingState(enum.Enum):
@@ -160,12 +160,7 @@ class FSDPUnit:
 
     # -- forward ------------------------------------------------------------
     def _lazy_init_root(self) -> None:
-        from .init import materialize_meta
-        from .module import FSDPModule
-        from .state import RootState
-
-        units = [m.fsdp_unit for m in self.module.modules() if isinstance(m, FSDPModule)]
-        RootState(self, units)
+        RootState(self, units_of(self.module))
         materialize_meta(self.module)  # no-op unless built on the meta device
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

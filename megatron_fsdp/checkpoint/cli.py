@@ -1,7 +1,7 @@
 """Command line for checkpoint directories (no process group, no GPU needed).
 
-    python -m megatron_fsdp.checkpoint_cli info   --checkpoint CKPT/iter_0000010
-    python -m megatron_fsdp.checkpoint_cli export --checkpoint CKPT/iter_0000010 --output model.safetensors
+    python -m megatron_fsdp.checkpoint info   --checkpoint CKPT/iter_0000010
+    python -m megatron_fsdp.checkpoint export --checkpoint CKPT/iter_0000010 --output model.safetensors
 
 ``export`` writes the full model state dict; ``.safetensors`` streams one tensor
 at a time, ``.pt`` holds the whole model in memory (torch.save needs the dict).
@@ -16,9 +16,9 @@ import sys
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .checkpoint import TRACKER_FILE, iteration_dir, read_latest_iteration
-from .checkpoint_export import export_full_state_dict
-from .checkpoint_io import is_checkpoint_dir, read_metadata
+from megatron_fsdp.checkpoint.export import export_full_state_dict
+from megatron_fsdp.checkpoint.iterations import TRACKER_FILE, iteration_dir, read_latest_iteration
+from megatron_fsdp.checkpoint.sharded_io import is_checkpoint_dir, read_metadata
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -44,7 +44,7 @@ def _info(path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_fsdp.checkpoint_cli", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m megatron_fsdp.checkpoint", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="list the entries of a checkpoint")
@@ -65,6 +65,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

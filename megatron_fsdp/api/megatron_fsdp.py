@@ -4,9 +4,9 @@ It holds a model already sharded with ``fully_shard`` (bottom-up, root last;
 ``fully_shard_model`` builds it) at ``.module`` and adds the methods Megatron's
 loop calls on its data-parallel wrappers. There is no second engine: every
 method is a few calls on the model's ``FSDPUnit``s, and the same per-step
-operations (``finish_grad_sync``, ``install_weights``, ``discard_grad_buffers``,
-``scale_grads``) serve the optimizer wrapper (``optimizer.py``), which finds the
-units from the sharded parameters it steps.
+operations (``core.steps``: ``finish_grad_sync``, ``install_weights``,
+``discard_grad_buffers``, ``scale_grads``) serve the optimizer wrapper
+(``optim.optimizer``), which finds the units from the sharded parameters it steps.
 
 The wrapper is transparent to names (``TransparentWrapper``): ``state_dict()``,
 ``load_state_dict()``, ``named_parameters()`` and PyTorch's DCP state-dict helpers
@@ -17,144 +17,28 @@ between this wrapper, per-module ``fully_shard``, DDP, FSDP2 and the plain model
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from .collectives import broadcast
-from .grad_norm import check_grads_finite, clip_grad_norm_, sharded_parameters
-from .microbatch import MicrobatchFlags
-from .module import FSDPModule
-from .state import RootState
-from .unit import FSDPUnit, TrainingState
-
-
-def units_of(model: nn.Module) -> list[FSDPUnit]:
-    """Every ``FSDPUnit`` under ``model``, in module order (the same on every rank)."""
-    return [m.fsdp_unit for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def units_of_params(params: Iterable[torch.Tensor]) -> list[FSDPUnit]:
-    """The units that own ``params`` (sharded parameters), each once, in first-seen order."""
-    units: dict[int, FSDPUnit] = {}
-    for param in params:
-        ref = getattr(param, "_megatron_fsdp_unit", None)
-        unit = ref() if ref is not None else None
-        if unit is not None:
-            units.setdefault(id(unit), unit)
-    return list(units.values())
-
-
-# -- per-step operations on units (shared with the optimizer wrapper) ---------------
-
-
-def start_grad_sync(units: list[FSDPUnit]) -> None:
-    """Start reducing gradients accumulated but not reduced yet (e.g. under ``no_sync``).
-
-    Ranks may hold unreduced gradients for different units (units that ran on some
-    ranks only): under a root the set is agreed across ranks first (schedule.py).
-    """
-    by_root: dict[int, tuple[RootState, list[FSDPUnit]]] = {}
-    for unit in units:
-        if unit.root_state is not None:
-            by_root.setdefault(id(unit.root_state), (unit.root_state, []))[1].append(unit)
-            continue
-        for group in unit.groups:  # never ran a forward: nothing to agree on
-            if group.grads_pending:
-                group.reduce_grads(True, unit.grad_scaling).finish()
-    for root, root_units in by_root.values():
-        root.schedule.reduce_pending(root_units)
-
-
-def finish_grad_sync(units: list[FSDPUnit]) -> None:
-    """Reduce what is pending, wait for every reduction, and mark the weights stale.
-
-    After it, every sharded parameter's ``.grad`` holds the reduced gradient and
-    the next forward re-gathers weights from the (about to be updated) main shards.
-    """
-    start_grad_sync(units)
-    roots = {id(u.root_state): u.root_state for u in units if u.root_state is not None}
-    for root in roots.values():
-        root.drain()
-    install_weights(units, eager=False)
-
-
-def install_weights(units: list[FSDPUnit], *, eager: bool = True) -> None:
-    """The main weights changed: release gathered weights; ``eager`` also refreshes compute copies now.
-
-    Without ``eager`` the low-precision compute copy is refreshed by the next
-    all-gather; with it the cast happens here, right after the optimizer step.
-    """
-    for unit in units:
-        if unit.state is not TrainingState.IDLE:
-            raise RuntimeError(
-                f"cannot install weights of {type(unit.module).__name__} during its {unit.state.value}; "
-                "call it between training steps"
-            )
-        unit.mark_weights_stale()
-        if eager:
-            for group in unit.groups:
-                if not group.needs_init:
-                    group.refresh_compute()
-
-
-def discard_grad_buffers(units: list[FSDPUnit], *, reduced: bool = True) -> None:
-    """Drop unreduced gradient buffers and (``reduced``) the sharded ``.grad``s."""
-    for unit in units:
-        for group in unit.groups:
-            group.discard_unreduced_grads()
-            if reduced:
-                for param in group.sharded_params:
-                    param.grad = None
-
-
-def scale_grads(units: list[FSDPUnit], factor: float) -> None:
-    """Multiply every gradient, reduced (``.grad``) or still accumulating (``main_grad``), by ``factor``."""
-    with torch.no_grad():
-        for unit in units:
-            for group in unit.groups:
-                if group.grad_buffer is not None:
-                    group.grad_buffer.mul_(factor)
-                for param in group.sharded_params:
-                    if param.grad is not None:
-                        grad = param.grad
-                        (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(factor)
-
-
-def stop_communication(units: list[FSDPUnit]) -> None:
-    """Wait for every collective in flight (reductions, prefetched all-gathers)."""
-    roots = {id(u.root_state): u.root_state for u in units if u.root_state is not None}
-    for root in roots.values():
-        root.drain()
-    for unit in units:
-        if unit.state is TrainingState.IDLE:
-            unit.reshard()  # waits for (and frees) a prefetch nobody consumed
-
-
-def named_sharded_parameters(units: list[FSDPUnit], root: nn.Module | None = None) -> list[tuple[str, nn.Parameter]]:
-    """(FQN relative to the root model, sharded parameter) for every parameter of ``units``.
-
-    The root is ``root`` if given, else found from the units' runtime state
-    (which exists once a forward ran).
-    """
-    roots = {id(u.root_state): u.root_state.root.module for u in units if u.root_state is not None}
-    if root is not None:
-        roots = {id(root): root}
-    prefixes: dict[int, str] = {}
-    for root in roots.values():
-        for name, module in root.named_modules(remove_duplicate=False):
-            prefixes.setdefault(id(module), f"{name}." if name else "")
-    out = []
-    for unit in units:
-        prefix = prefixes.get(id(unit.module), f"{type(unit.module).__name__}.")
-        for group in unit.groups:
-            for ref, param in zip(group.refs, group.sharded_params):
-                out.append((prefix + ref.fqn, param))
-    return out
+from megatron_fsdp.comm.collectives import broadcast
+from megatron_fsdp.core.lookup import units_of
+from megatron_fsdp.core.microbatch import MicrobatchFlags
+from megatron_fsdp.core.module import FSDPModule
+from megatron_fsdp.core.steps import (
+    discard_grad_buffers,
+    finish_grad_sync,
+    install_weights,
+    named_sharded_parameters,
+    scale_grads,
+    start_grad_sync,
+    stop_communication,
+)
+from megatron_fsdp.core.unit import FSDPUnit
+from megatron_fsdp.optim.grad_norm import check_grads_finite, clip_grad_norm_, sharded_parameters
 
 
 class TransparentWrapper(nn.Module):

@@ -30,8 +30,8 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .checkpoint_dirs import ScratchDir, clean_stale, fsync_dir, resolve_committed
-from .checkpoint_integrity import (
+from megatron_fsdp.checkpoint.dirs import ScratchDir, clean_stale, fsync_dir, resolve_committed
+from megatron_fsdp.checkpoint.integrity import (
     MANIFEST_FILE,
     METADATA_FILE,
     CheckpointCorruptError,
@@ -45,7 +45,7 @@ from .checkpoint_integrity import (
     share,
     verify_files,
 )
-from .checkpoint_state import (
+from megatron_fsdp.checkpoint.state_dicts import (
     KeyReport,
     apply_model_state,
     apply_optimizer_state,

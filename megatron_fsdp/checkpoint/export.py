@@ -26,11 +26,11 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from .checkpoint_integrity import MANIFEST_FILE, CheckpointCorruptError, check_storage_files
-from .checkpoint_io import any_rank, group_rank, read_metadata, verify_checkpoint
-from .checkpoint_safetensors import SafetensorsWriter, TensorSpec, read_header, read_tensor
-from .checkpoint_state import MODEL_PREFIX, KeyReport, model_entries, reshard_all, settle
-from .ragged_shard import full_tensor
+from megatron_fsdp.checkpoint.integrity import MANIFEST_FILE, CheckpointCorruptError, check_storage_files
+from megatron_fsdp.checkpoint.safetensors_stream import SafetensorsWriter, TensorSpec, read_header, read_tensor
+from megatron_fsdp.checkpoint.sharded_io import any_rank, group_rank, read_metadata, verify_checkpoint
+from megatron_fsdp.checkpoint.state_dicts import MODEL_PREFIX, KeyReport, model_entries, reshard_all, settle
+from megatron_fsdp.sharding.ragged_shard import full_tensor
 
 SAFETENSORS = (".safetensors",)
 TORCH_SAVE = (".pt", ".pth")

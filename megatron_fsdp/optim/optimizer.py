@@ -35,15 +35,15 @@ from typing import Any
 
 import torch
 
-from .grad_norm import check_grads_finite
-from .local_step import on_local_shards, steppable_locally
-from .megatron_fsdp import (
+from megatron_fsdp.core.steps import (
     discard_grad_buffers,
     finish_grad_sync,
     install_weights,
     named_sharded_parameters,
     units_of_params,
 )
+from megatron_fsdp.optim.grad_norm import check_grads_finite
+from megatron_fsdp.optim.local_step import on_local_shards, steppable_locally
 
 _WRAPPED = "_megatron_fsdp_optimizer"
 
