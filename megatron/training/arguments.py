@@ -13,10 +13,12 @@ import argparse
 import math
 from collections.abc import Sequence
 
+from megatron_fsdp.sharding.strategy import OUTER_STRATEGY_NAMES, STRATEGY_NAMES
+
 from .datasets.builder import parse_split
 from .tokenizer import TOKENIZER_TYPES
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+STRATEGIES = STRATEGY_NAMES
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -89,7 +91,7 @@ def _fsdp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-megatron-fsdp", action="store_true")
     g.add_argument("--use-custom-fsdp", action="store_true", help="deprecated alias of --use-megatron-fsdp")
     g.add_argument("--data-parallel-sharding-strategy", choices=STRATEGIES, default="no_shard")
-    g.add_argument("--outer-dp-sharding-strategy", choices=("no_shard", "optim"), default="no_shard")
+    g.add_argument("--outer-dp-sharding-strategy", choices=OUTER_STRATEGY_NAMES, default="no_shard")
     g.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")

@@ -11,8 +11,10 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, fields
 
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
+from megatron_fsdp.sharding.strategy import OUTER_STRATEGY_NAMES, STRATEGY_NAMES
+
+SHARDING_STRATEGIES = STRATEGY_NAMES
+OUTER_SHARDING_STRATEGIES = OUTER_STRATEGY_NAMES
 
 
 @dataclass

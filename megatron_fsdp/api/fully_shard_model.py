@@ -34,9 +34,9 @@ from megatron_fsdp.core.module import FSDPModule
 from megatron_fsdp.core.shard_module import default_mesh, shard_module
 from megatron_fsdp.optim.optimizer import fully_shard_optimizer
 from megatron_fsdp.sharding.mesh import _is_flattened, _names, resolve_mesh
-from megatron_fsdp.sharding.strategy import ShardingPlan, resolve_strategy
+from megatron_fsdp.sharding.strategy import OUTER_STRATEGY_NAMES, OUTER_ZERO_STAGES, ShardingPlan, resolve_strategy
 
-_OUTER_STRATEGIES = {0: "no_shard", 1: "optim", "no_shard": "no_shard", "optim": "optim"}
+_OUTER_STRATEGIES = {**OUTER_ZERO_STAGES, **{name: name for name in OUTER_STRATEGY_NAMES}}
 
 # Options rejected when turned on: why, and what to do instead.
 _REJECTED: dict[str, str] = {

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-OUTER_STRATEGIES = ("no_shard", "optim")
+from megatron_fsdp.sharding.strategy import OUTER_STRATEGY_NAMES
+
+OUTER_STRATEGIES = OUTER_STRATEGY_NAMES
 
 
 @dataclass(frozen=True)

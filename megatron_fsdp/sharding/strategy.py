@@ -1,9 +1,12 @@
-"""Sharding strategies as data (DESIGN.md §5).
+"""Sharding strategies as data: the one table of strategy names (docs/design.md section 1).
 
 The engine never compares strategy strings: it reads a ``ShardingPlan`` that
 says, per role, whether that role is sharded over the data-parallel group.
 User-facing names (Megatron's, and ZeRO stage numbers) are translated here
-once, at the API edge.
+once, at the API edge. Every other place that lists strategy names (the DDP
+config, the mesh, the whole-model API, the front-end's flags) imports them from
+here: ``STRATEGY_NAMES`` within the shard group, ``OUTER_STRATEGY_NAMES`` across
+the HSDP outer dimension.
 """
 
 from __future__ import annotations
@@ -42,15 +45,20 @@ STRATEGIES: dict[str, ShardingPlan] = {
         ShardingPlan("optim_grads_params", params=True, grads=True, optim=True),
     )
 }
-_ZERO_STAGES = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
+STRATEGY_NAMES: tuple[str, ...] = tuple(STRATEGIES)
+ZERO_STAGES: dict[int, str] = dict(enumerate(STRATEGY_NAMES))  # ZeRO stage 0-3 -> strategy name
+
+# Across the HSDP outer dimension: replicate, or also shard main weights, gradients and optimizer state.
+OUTER_STRATEGY_NAMES: tuple[str, ...] = ("no_shard", "optim")
+OUTER_ZERO_STAGES: dict[int, str] = dict(enumerate(OUTER_STRATEGY_NAMES))
 
 
 def resolve_strategy(strategy: str | int | ShardingPlan, *, argument: str = "sharding_strategy") -> ShardingPlan:
     """Translate a strategy name, ZeRO stage (0-3) or plan into a ``ShardingPlan``."""
     if isinstance(strategy, ShardingPlan):
         return strategy
-    if isinstance(strategy, int) and not isinstance(strategy, bool) and strategy in _ZERO_STAGES:
-        return STRATEGIES[_ZERO_STAGES[strategy]]
+    if isinstance(strategy, int) and not isinstance(strategy, bool) and strategy in ZERO_STAGES:
+        return STRATEGIES[ZERO_STAGES[strategy]]
     if isinstance(strategy, str) and strategy in STRATEGIES:
         return STRATEGIES[strategy]
     valid = ", ".join(repr(n) for n in STRATEGIES)
