@@ -113,7 +113,7 @@ def _tensorboard_writer(args: argparse.Namespace, rank: int, world_size: int):
 
 
 def _accumulation(model: nn.Module, is_first: bool, is_last: bool):
-    """DDP: no_sync except on the last micro-batch. FSDP: the microbatch() context (seed 001)."""
+    """DDP: no_sync except on the last micro-batch. FSDP: the microbatch() context."""
     if isinstance(model, DDP):
         return contextlib.nullcontext() if is_last else model.no_sync()
     from megatron_fsdp import microbatch

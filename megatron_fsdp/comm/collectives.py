@@ -3,7 +3,7 @@
 Every collective the engine issues goes through here, so that ``comm_stats``
 can report exactly how many bytes each kind of collective moved. Byte counts
 are the logical payload: an all-gather counts its output, a reduce-scatter its
-input, an all-reduce its tensor (the ZeRO accounting of DESIGN.md §7). HSDP with
+input, an all-reduce its tensor (the ZeRO accounting of docs/design.md section 7). HSDP with
 an outer ``optim`` strategy counts its collectives across ``dp_outer`` apart,
 as ``all_gather_outer`` and ``reduce_scatter_outer``.
 
@@ -225,7 +225,7 @@ def side_stream(kind: str, device: torch.device) -> Iterator[None]:
 
 
 def _check_no_alias(output: torch.Tensor, input: torch.Tensor, what: str) -> None:
-    # A collective writing into its own input corrupts data silently (seed 000).
+    # A collective writing into its own input corrupts data silently.
     if output.numel() and output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr():
         raise RuntimeError(f"{what}: output aliases input")
 

@@ -1,4 +1,4 @@
-"""``microbatch(module, is_first, is_last=None)``: per-step work once per step (seed 001).
+"""``microbatch(module, is_first, is_last=None)``: per-step work once per step.
 
 Outside the context the engine is correctness-first: weights are refreshed
 before a forward that follows a backward, and gradients are reduced in every

@@ -1,6 +1,6 @@
 """ParamGroup: one unit's parameters that share dtype and requires_grad.
 
-A group owns three pieces of storage (DESIGN.md §3):
+A group owns three pieces of storage (docs/design.md section 2):
 
 - ``shard``: this rank's slice of the flat buffer (main weights). The sharded
   parameters the optimizer sees are DTensor views of it.

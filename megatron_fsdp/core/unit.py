@@ -1,4 +1,4 @@
-"""FSDPUnit: the runtime of one ``fully_shard``-ed module (DESIGN.md §4).
+"""FSDPUnit: the runtime of one ``fully_shard``-ed module (docs/design.md section 5).
 
 Its methods are the module's hooks:
 

@@ -24,7 +24,7 @@ growing; ``reserved_bytes`` is that size.
 Stream safety (CUDA): ``release`` records an event on the current stream; the next
 ``acquire`` of that slab makes the current stream wait for it. The engine releases a
 buffer only after the current stream has waited for every collective that used it
-(DESIGN.md §8: never release a buffer a collective in flight still reads or writes).
+(never release a buffer a collective in flight still reads or writes; docs/design.md section 5).
 """
 
 from __future__ import annotations

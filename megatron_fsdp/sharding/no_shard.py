@@ -1,4 +1,4 @@
-"""``fsdp_no_shard``: keep chosen parameters replicated (seed 002).
+"""``fsdp_no_shard``: keep chosen parameters replicated.
 
 A frozen vision tower inside a sharded language model gains nothing from
 sharding and pays an all-gather per use. Marked parameters go into a

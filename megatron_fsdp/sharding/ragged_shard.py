@@ -2,7 +2,7 @@
 
 Stock ``Shard(0)`` assumes ``torch.chunk`` boundaries. Our flat-buffer layout
 gives each rank whole rows of a parameter, but not chunk-many, so stock DTensor
-code would mis-gather our shards (the uneven-DTensor pitfall of DESIGN.md §6).
+code would mis-gather our shards (docs/design.md section 3).
 This placement records every rank's row count and overrides the placement
 hooks that DTensor's redistribution and DCP's chunk metadata go through.
 
