@@ -10,7 +10,7 @@ deleted) is found before anything is loaded. The digests are those of
     for k, v in m['files'].items(): print(v['sha256'] + '  ' + k)" | sha256sum -c
 
 Everything here works on one process's share of the files; the collective
-parts (who hashes what, agreeing on errors) are in ``checkpoint_io``.
+parts (who hashes what, agreeing on errors) are in ``sharded_io``.
 """
 
 from __future__ import annotations

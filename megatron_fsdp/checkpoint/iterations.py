@@ -11,7 +11,7 @@
         manifest.json                              size and SHA-256 of every file, written last
 
 ``save_checkpoint`` / ``load_checkpoint`` are what the Megatron front-end calls;
-``save_state`` / ``load_state`` (re-exported from ``checkpoint_io``) are the same
+``save_state`` / ``load_state`` (re-exported from ``sharded_io``) are the same
 without the layout, for any directory. Docs: docs/checkpointing.md.
 """
 

@@ -3,8 +3,8 @@
 ``save_state`` writes into a hidden scratch directory next to the target and
 renames it into place only after every rank's data, DCP's ``.metadata`` and the
 SHA-256 ``manifest.json`` of every file are on disk, so a crash mid-save leaves
-no directory that looks like a checkpoint (``checkpoint_dirs``). ``load_state``
-checks every file against the manifest (``checkpoint_integrity``) and the
+no directory that looks like a checkpoint (``dirs``). ``load_state``
+checks every file against the manifest (``integrity``) and the
 checkpoint's metadata against the model first, so a damaged file, a missing
 key, an unexpected key or a shape mismatch fails naming the file or tensor (on
 every rank alike) before anything is read, or, with ``strict=False``, mismatched
@@ -243,7 +243,7 @@ def read_dcp(entries: dict[str, Any], directory: str, process_group: dist.Proces
 
 
 def state_entries(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """The flat dict ``save_state`` writes (see ``checkpoint_state``)."""
+    """The flat dict ``save_state`` writes (see ``state_dicts``)."""
     reshard_all(model)
     entries = model_entries(model)
     if optimizer is not None:
