@@ -129,7 +129,9 @@ class CollectiveSchedule:
         self.unit_of = {id(g): u for u in units for g in u.groups}
         self._track = track
         anchor = next((g for g in self.groups), None)
-        self.control: dist.ProcessGroup | None = None
+        self.control: dist.ProcessGroup | None = None  # none without parameters: nothing to agree on
+        self.device = torch.device("cpu")
+        self.leader = True
         if anchor is not None:
             dp = anchor.dp
             ranks = dp.mesh.mesh.flatten().tolist()
