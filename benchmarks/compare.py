@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import statistics
 import sys
@@ -95,13 +96,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--impls", default="megatron_fsdp,fsdp2,ddp")
     p.add_argument("--pool", choices=("keep", "release", "off"), default="keep",
                    help="megatron_fsdp's buffer pool: keep its memory between steps (the library's default), "
-                        "release it after backward, or off (plain allocations, MEGATRON_FSDP_BUFFER_POOL=0)")
+                        "release it after backward, or off (plain allocations, EngineOptions(buffer_pool=False))")
     p.add_argument("--local-step", choices=("on", "off"), default="on",
                    help="megatron_fsdp's fully_shard_optimizer(step_on_local_shards=...), on by default")
     p.add_argument("--reduces-in-flight", type=int, default=None,
-                   help="megatron_fsdp's limit on gradient reductions in flight (state.MAX_REDUCES_IN_FLIGHT)")
+                   help="megatron_fsdp's limit on gradient reductions in flight (EngineOptions.max_reduces_in_flight)")
     p.add_argument("--gloo-paths", choices=("on", "off"), default="on",
-                   help="megatron_fsdp's gloo fast paths (collectives.gloo_fast_paths, on by default): "
+                   help="megatron_fsdp's gloo fast paths (EngineOptions.gloo_fast_paths, on by default): "
                         "off measures plain all-gather/reduce-scatter")
     return p.parse_args()
 
@@ -213,12 +214,15 @@ def largest_unit_bytes(model: nn.Module) -> tuple[int, int]:
     return largest, depth
 
 
-def build(name: str, base: nn.Module, device: torch.device, local_step: bool = True) -> Impl:
+def build(
+    name: str, base: nn.Module, device: torch.device, local_step: bool = True,
+    options: megatron_fsdp.EngineOptions | None = None,
+) -> Impl:
     model = copy.deepcopy(base).to(device)
     if name == "megatron_fsdp":
         for block in model.blocks:
             megatron_fsdp.fully_shard(block)
-        megatron_fsdp.fully_shard(model)
+        megatron_fsdp.fully_shard(model, options=options)  # handed down to the blocks' units
     elif name == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -242,19 +246,16 @@ def main() -> None:
         torch.cuda.set_device(device)
     count_torch_collectives()
     default_pool().keep_between_steps = args.pool == "keep"
-    default_pool().wanted = args.pool != "off"
-    megatron_fsdp.comm.collectives.gloo_fast_paths = args.gloo_paths == "on"
+    options = megatron_fsdp.EngineOptions(buffer_pool=args.pool != "off", gloo_fast_paths=args.gloo_paths == "on")
     if args.reduces_in_flight is not None:
-        from megatron_fsdp.core import state
-
-        state.MAX_REDUCES_IN_FLIGHT = args.reduces_in_flight
+        options = dataclasses.replace(options, max_reduces_in_flight=args.reduces_in_flight)
     torch.manual_seed(0)
     base = GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq)
     n_params = sum(p.numel() for p in base.parameters())
     generator = torch.Generator().manual_seed(1 + rank)
     sample = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     activations = activation_bytes(copy.deepcopy(base).to(device), sample.to(device))
-    impls = [build(name, base, device, args.local_step == "on") for name in args.impls.split(",")]
+    impls = [build(name, base, device, args.local_step == "on", options) for name in args.impls.split(",")]
     del base
     for step in range(args.warmup + args.steps):
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(device)
@@ -308,7 +309,7 @@ def report_memory_model(impl: Impl, activations: int, rank: int) -> None:
     print(f"\nmegatron_fsdp memory model (rank 0, MiB): sharded state {impl.sharded_state / mib:.1f} "
           f"+ (1 + {depth}) x largest unit {unit / mib:.1f} + activations {activations / mib:.1f} "
           f"= {predicted / mib:.1f}; measured peak {measured / mib:.1f} ({measured / predicted:.2f}x the model)")
-    kept = "off" if not default_pool().enabled else (
+    kept = "off" if not impl.model.fsdp_unit.pool.enabled else (
         "kept between steps" if default_pool().keep_between_steps else "released after each backward")
     print(f"buffer pool ({kept}): {stats.reserved_bytes / mib:.1f} MiB reserved now in {stats.slabs} slabs, "
           f"most lent at once {stats.peak_lent_bytes / mib:.1f} MiB; {stats.allocations} allocations, "

@@ -14,12 +14,13 @@ from megatron_fsdp.checkpoint.export import export_full_state_dict, import_full_
 from megatron_fsdp.checkpoint.iterations import LoadedCheckpoint, load_checkpoint, save_checkpoint
 from megatron_fsdp.checkpoint.sharded_io import load_state, save_state
 from megatron_fsdp.checkpoint.state_dicts import CheckpointMismatchError
-from megatron_fsdp.comm.collectives import comm_stats
+from megatron_fsdp.comm.collectives import CommStats, comm_stats
 from megatron_fsdp.core.grad_scaling import GradScaling
 from megatron_fsdp.core.meta_init import materialize_meta
 from megatron_fsdp.core.microbatch import microbatch
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.core.module import FSDPModule
+from megatron_fsdp.core.options import EngineOptions
 from megatron_fsdp.fully_shard import fully_shard
 from megatron_fsdp.optim.grad_norm import clip_grad_norm_, get_grad_norm
 from megatron_fsdp.optim.optimizer import fully_shard_optimizer
@@ -30,7 +31,9 @@ from megatron_fsdp.sharding.strategy import STRATEGIES, ShardingPlan
 __all__ = [
     "STRATEGIES",
     "CheckpointMismatchError",
+    "CommStats",
     "DistributedDataParallelConfig",
+    "EngineOptions",
     "FSDPModule",
     "GradScaling",
     "LoadedCheckpoint",

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megatron_fsdp.api.fully_shard_model import FULLY_SHARD_MODEL_OPTIONS, fully_shard_whole_model
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.core.options import EngineOptions
 from megatron_fsdp.core.shard_module import shard_module
 from megatron_fsdp.sharding.strategy import ShardingPlan
 
@@ -62,6 +63,7 @@ def fully_shard(
     dp_shard_dim: str | None = None,
     dp_outer_dim: str | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    options: EngineOptions | None = None,
     **whole_model_options: Any,
 ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer | None]:
     """Shard ``module``'s parameters over ``mesh`` and make it an ``FSDPModule``.
@@ -99,6 +101,10 @@ def fully_shard(
             replicate, for meshes with more (e.g. ``tp``) dimensions.
         mp_policy: a ``MixedPrecisionPolicy`` (compute, main-weight, gradient and
             communication dtypes); default: every parameter keeps its dtype.
+        options: ``EngineOptions`` (buffer pool, gloo fast paths, CUDA side streams,
+            reductions in flight, prefetch depth); default ``EngineOptions()``. The
+            units already under ``module`` take these (every unit runs with its
+            root's); one given different options in a root field raises ValueError.
 
     Every data-parallel rank must pass the same module: one all-reduce of a
     fingerprint of its parameters checks it (``validation``). A module whose
@@ -112,10 +118,10 @@ def fully_shard(
         _check_per_module_keywords(optimizer, whole_model_options)
         per_module = dict(mesh=mesh, sharding_strategy=sharding_strategy, reshard_after_forward=reshard_after_forward,
                           gradient_scaling=gradient_scaling, outer_sharding_strategy=outer_sharding_strategy,
-                          mp_policy=mp_policy)
+                          mp_policy=mp_policy, options=options)
         return fully_shard_whole_model(module, optimizer, per_module, dp_shard_dim=dp_shard_dim,
                                        dp_outer_dim=dp_outer_dim, **whole_model_options)
     return shard_module(module, mesh=mesh, sharding_strategy=sharding_strategy,
                         reshard_after_forward=reshard_after_forward, gradient_scaling=gradient_scaling,
                         outer_sharding_strategy=outer_sharding_strategy, dp_shard_dim=dp_shard_dim,
-                        dp_outer_dim=dp_outer_dim, mp_policy=mp_policy)
+                        dp_outer_dim=dp_outer_dim, mp_policy=mp_policy, options=options)

@@ -14,6 +14,7 @@ form: it also re-points an existing optimizer at the sharded parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -31,6 +32,7 @@ from megatron_fsdp.core.lookup import units_of
 from megatron_fsdp.core.meta_init import materialize_meta
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.core.module import FSDPModule
+from megatron_fsdp.core.options import EngineOptions, resolve_options
 from megatron_fsdp.core.shard_module import default_mesh, shard_module
 from megatron_fsdp.optim.optimizer import fully_shard_optimizer
 from megatron_fsdp.sharding.mesh import _is_flattened, _names, resolve_mesh
@@ -186,6 +188,7 @@ def fully_shard_model(
     fsdp_double_buffer: bool = False,
     disable_bucketing: bool = False,
     mp_policy: MixedPrecisionPolicy | None = None,
+    options: EngineOptions | None = None,
     **unknown: Any,
 ) -> MegatronFSDP:
     """Fully shard ``module`` (Megatron-FSDP's API) and return it wrapped in a ``MegatronFSDP``.
@@ -203,6 +206,10 @@ def fully_shard_model(
         outer_dp_sharding_strategy: HSDP across ``dp_outer``: 0/``"no_shard"``.
         grad_reduce_in_fp32, preserve_fp32_weights: the precision (see
             ``MegatronPrecisionPolicy``); ``mp_policy`` (an extension) overrides both.
+        options: ``EngineOptions`` for every unit (an extension; default
+            ``EngineOptions()``); ``overlap_grad_reduce=False`` sets its
+            ``max_reduces_in_flight`` to 0, ``overlap_param_gather=False`` its
+            ``prefetch_depth`` to 0.
         sync_model_each_microbatch, check_for_nan_in_grad: see ``MegatronFSDP``.
         calculate_per_token_loss: sum gradients over ranks (the loop normalises by
             the token count) instead of averaging them.
@@ -247,7 +254,13 @@ def fully_shard_model(
         mp_policy = precision_policy(
             preserve_fp32_weights=preserve_fp32_weights, grad_reduce_in_fp32=grad_reduce_in_fp32
         )
+    options = resolve_options(options)
+    if not overlap_grad_reduce:
+        options = dataclasses.replace(options, max_reduces_in_flight=0)  # every reduction synchronous
+    if not overlap_param_gather:
+        options = dataclasses.replace(options, prefetch_depth=0)
     shard_kwargs = dict(
+        options=options,
         mesh=mesh, sharding_strategy=plan, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim,
         gradient_scaling="sum" if calculate_per_token_loss else "mean",
         outer_sharding_strategy=_OUTER_STRATEGIES[outer_dp_sharding_strategy], mp_policy=mp_policy,
@@ -260,10 +273,6 @@ def fully_shard_model(
             f"fully_shard_model({type(module).__name__}): every parameter outside the unit modules is marked "
             "fsdp_no_shard, so the root has no unit; leave at least one root parameter sharded"
         )
-    if not overlap_param_gather:
-        root.set_prefetch_depth(0)
-    if not overlap_grad_reduce:
-        root.fsdp_unit.max_reduces_in_flight = 0  # read by the RootState built at the first forward
     if any(g.needs_init for u in units_of(root) for g in u.groups):
         materialize_meta(root)  # now, so a checkpoint loaded before the first forward is not overwritten
     return MegatronFSDP(root, sync_model_each_microbatch=sync_model_each_microbatch,
@@ -348,7 +357,11 @@ def fully_shard_whole_model(
     ``optimizer`` may be None (returned as None). The optimizer must not have
     stepped yet: its state would be for the unsharded parameters.
     """
+    if per_module.get("options") is not None:
+        options = {**options, "options": per_module["options"]}  # fully_shard_model takes it too
     for name, value in per_module.items():
+        if name == "options":
+            continue
         if value is not _PER_MODULE_DEFAULTS[name] and value != _PER_MODULE_DEFAULTS[name]:
             hint = f" (use {_PER_MODULE_ONLY[name]}=...)" if name in _PER_MODULE_ONLY else ""
             raise TypeError(

@@ -231,10 +231,10 @@ class MegatronFSDP(TransparentWrapper):
             for unit in units:
                 for group in unit.groups:
                     if not group.gathers and group.dp.shard_size > 1:
-                        broadcast(group.shard, 0, group.process_group).wait()
+                        broadcast(group.shard, 0, group.process_group, comm=group.comm).wait()
                     # Under outer 'optim' each dp_outer rank holds a different piece: nothing is replicated.
                     if group.dp.has_outer and group.dp.outer_size > 1 and getattr(group, "outer", None) is None:
-                        broadcast(group.shard, 0, group.dp.outer_group).wait()
+                        broadcast(group.shard, 0, group.dp.outer_group, comm=group.comm).wait()
         install_weights(units, eager=False)
 
     def stop_communication(self) -> None:

@@ -1,7 +1,9 @@
 """The one module that calls ``torch.distributed``: device-agnostic, counted.
 
 Every collective the engine issues goes through here, so that ``comm_stats``
-can report exactly how many bytes each kind of collective moved. Byte counts
+can report exactly how many bytes each kind of collective moved. Each call takes a
+``CommConfig`` (built per root from its ``EngineOptions``): the gloo fast paths and
+CUDA side streams to use, and the root's own ``CommStats`` to record into as well. Byte counts
 are the logical payload: an all-gather counts its output, a reduce-scatter its
 input, an all-reduce its tensor (the ZeRO accounting of docs/design.md section 7). HSDP with
 an outer ``optim`` strategy counts its collectives across ``dp_outer`` apart,
@@ -48,7 +50,28 @@ class CommStats:
         return sum(self.bytes.values())
 
 
-comm_stats = CommStats()
+comm_stats = CommStats()  # every collective of the process (the public ``megatron_fsdp.comm_stats``)
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """How one root's collectives run, passed to each call (built from its ``EngineOptions``).
+
+    ``stats``: the root's own ``CommStats``, recorded into besides the process-wide
+    ``comm_stats``, so that two models in one process can be measured apart.
+    """
+
+    gloo_fast_paths: bool = True
+    side_streams: bool = True
+    stats: CommStats | None = None
+
+    def record(self, kind: str, tensor: torch.Tensor) -> None:
+        comm_stats.record(kind, tensor)
+        if self.stats is not None:
+            self.stats.record(kind, tensor)
+
+
+DEFAULT_COMM = CommConfig()  # the defaults; counted in ``comm_stats`` only
 
 
 class Work(Protocol):
@@ -176,7 +199,7 @@ def _issuing(pending: Pending) -> Iterator[None]:
         raise
 
 
-# gloo (CPU) only, both on by default; both keep the bytes and the numbers of the
+# CommConfig.gloo_fast_paths: gloo (CPU) only, both on by default; both keep the bytes and the numbers of the
 # plain collectives (checked by tests at 2 and 4 ranks):
 # - all-gather as one broadcast per rank: gloo's ring all-gather runs its steps one
 #   after the other on one thread, while the broadcasts run on the group's worker
@@ -184,25 +207,21 @@ def _issuing(pending: Pending) -> Iterator[None]:
 # - reduce-scatter of a gradient buffer that dies afterwards as an in-place all-reduce
 #   plus a copy of this rank's slice: gloo implements reduce-scatter as exactly that
 #   all-reduce, on a copy of the input it allocates first (the same sums, bit for bit).
-gloo_fast_paths = True
+def _is_gloo(tensor: torch.Tensor, group: dist.ProcessGroup, comm: CommConfig) -> bool:
+    return comm.gloo_fast_paths and tensor.device.type == "cpu" and str(dist.get_backend(group)) == "gloo"
 
 
-def _is_gloo(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    return gloo_fast_paths and tensor.device.type == "cpu" and str(dist.get_backend(group)) == "gloo"
-
-
-# CUDA only: one all-gather and one reduce-scatter stream per device. Issuing the
+# CommConfig.side_streams: CUDA only: one all-gather and one reduce-scatter stream per device. Issuing the
 # weight gathers (prefetches included) and the gradient reductions from their own
 # streams keeps them out of the compute stream's queue, so neither waits behind the
 # other kind nor behind compute queued after it was issued; NCCL runs each on its
 # internal stream ordered after the stream it was issued from. CPU/gloo work has no
 # streams: the async work handles give the overlap there.
-use_side_streams = True
 _side_streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
 
 
 @contextlib.contextmanager
-def side_stream(kind: str, device: torch.device) -> Iterator[None]:
+def side_stream(kind: str, device: torch.device, enabled: bool = True) -> Iterator[None]:
     """Issue the collective inside from ``kind``'s dedicated CUDA stream (no-op off CUDA).
 
     Stream-safety rules kept here and by the callers:
@@ -212,7 +231,7 @@ def side_stream(kind: str, device: torch.device) -> Iterator[None]:
       collective, so outputs are read, and inputs freed or returned to the pool
       (``BufferPool.release`` records an event), only after it finished.
     """
-    if device.type != "cuda" or not use_side_streams:
+    if device.type != "cuda" or not enabled:
         yield
         return
     key = (kind, device)
@@ -237,6 +256,7 @@ def all_gather(
     *,
     kind: str = "all_gather",
     into: Pending | None = None,
+    comm: CommConfig = DEFAULT_COMM,
 ) -> Pending:
     """Gather equal flat shards from every rank of ``group`` into ``output`` (counted under ``kind``).
 
@@ -246,9 +266,9 @@ def all_gather(
     """
     _check_no_alias(output, shard, "all_gather")
     pending = Pending() if into is None else into
-    comm_stats.record(kind, output)
+    comm.record(kind, output)
     world = dist.get_world_size(group)
-    if world > 1 and _is_gloo(output, group):
+    if world > 1 and _is_gloo(output, group, comm):
         n = shard.numel()
         output.narrow(0, dist.get_rank(group) * n, n).copy_(shard)
         with _issuing(pending):
@@ -256,7 +276,7 @@ def all_gather(
                 src = dist.get_global_rank(group, r)
                 pending.add(dist.broadcast(output.narrow(0, r * n, n), src=src, group=group, async_op=True))
         return pending
-    with side_stream("all_gather", output.device), _issuing(pending):
+    with side_stream("all_gather", output.device, comm.side_streams), _issuing(pending):
         pending.add(_all_gather_flat(output, shard, group=group, async_op=True))
     return pending
 
@@ -268,15 +288,16 @@ def reduce_scatter(
     *,
     kind: str = "reduce_scatter",
     input_is_scratch: bool = False,
+    comm: CommConfig = DEFAULT_COMM,
 ) -> Pending:
     """Sum ``input`` over ``group`` and leave this rank's equal slice in ``output`` (counted under ``kind``).
 
     ``input_is_scratch``: the caller never reads ``input`` again, so on gloo it may be
-    summed in place (see ``gloo_fast_paths``).
+    summed in place (see ``CommConfig.gloo_fast_paths``).
     """
     _check_no_alias(output, input, "reduce_scatter")
-    comm_stats.record(kind, input)
-    if input_is_scratch and _is_gloo(input, group):
+    comm.record(kind, input)
+    if input_is_scratch and _is_gloo(input, group, comm):
         n = output.numel()
         piece = input.narrow(0, dist.get_rank(group) * n, n)
         pending = Pending(then=lambda: output.copy_(piece))
@@ -284,23 +305,25 @@ def reduce_scatter(
             pending.add(dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=True))
         return pending
     pending = Pending()
-    with side_stream("reduce_scatter", input.device), _issuing(pending):
+    with side_stream("reduce_scatter", input.device, comm.side_streams), _issuing(pending):
         pending.add(_reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True))
     return pending
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> Pending:
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, comm: CommConfig = DEFAULT_COMM) -> Pending:
     """Sum ``tensor`` in place over ``group``."""
-    comm_stats.record("all_reduce", tensor)
+    comm.record("all_reduce", tensor)
     pending = Pending()
     with _issuing(pending):
         pending.add(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
     return pending
 
 
-def broadcast(tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup) -> Pending:
+def broadcast(
+    tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup, *, comm: CommConfig = DEFAULT_COMM
+) -> Pending:
     """Copy ``tensor`` from group rank ``src_rank`` to every rank of ``group``."""
-    comm_stats.record("broadcast", tensor)
+    comm.record("broadcast", tensor)
     src = dist.get_global_rank(group, src_rank)
     pending = Pending()
     with _issuing(pending):
@@ -308,7 +331,7 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup) -> 
     return pending
 
 
-def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup, *, comm: CommConfig = DEFAULT_COMM) -> None:
     """Element-wise maximum of ``tensor`` over ``group``, in place, waited for (control rounds)."""
-    comm_stats.record("control", tensor)
+    comm.record("control", tensor)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)

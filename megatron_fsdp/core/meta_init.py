@@ -46,9 +46,9 @@ META_BUFFERS = "_megatron_fsdp_meta_buffers"  # module attribute: buffer names a
 
 def _broadcast_from_dp_rank0(tensor: torch.Tensor, group: ParamGroup) -> None:
     """Make every data-parallel rank hold rank 0's values: inside dp_shard, then across dp_outer."""
-    broadcast(tensor, 0, group.process_group).wait()
+    broadcast(tensor, 0, group.process_group, comm=group.comm).wait()
     if group.dp.has_outer:
-        broadcast(tensor, 0, group.dp.outer_group).wait()
+        broadcast(tensor, 0, group.dp.outer_group, comm=group.comm).wait()
 
 
 def _init_meta_buffers(module: nn.Module, init_fn, anchor: ParamGroup) -> None:

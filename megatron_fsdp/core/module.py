@@ -13,8 +13,10 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from megatron_fsdp.comm.collectives import CommStats
 from megatron_fsdp.core.grad_scaling import resolve_grad_scaling
 from megatron_fsdp.core.lookup import UNIT_ATTR, units_of
+from megatron_fsdp.core.options import EngineOptions
 from megatron_fsdp.core.unit import FSDPUnit
 from megatron_fsdp.core.validation import check_bool, check_reshard_after_forward
 
@@ -59,6 +61,21 @@ class FSDPModule:
             return fn(tensor)
 
         return super()._apply(on_local_pieces, recurse)  # type: ignore[misc]
+
+    @property
+    def fsdp_options(self) -> EngineOptions:
+        """The engine options this unit runs with: its root's (``fully_shard(..., options=...)``)."""
+        return self.fsdp_unit.options
+
+    @property
+    def fsdp_comm_stats(self) -> CommStats:
+        """Bytes and calls of the collectives of this unit's root (every unit under it shares one).
+
+        The process-wide ``megatron_fsdp.comm_stats`` counts them too, with every other
+        model's; this one counts only this root's engine collectives (gathers,
+        reductions, control rounds, initial broadcasts; not ``clip_grad_norm_``'s).
+        """
+        return self.fsdp_unit.comm.stats
 
     def unshard(self) -> None:
         """All-gather this unit's parameters and install the unsharded views."""

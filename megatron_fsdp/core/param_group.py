@@ -27,10 +27,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from megatron_fsdp.comm.collectives import Pending, all_gather, all_reduce, reduce_scatter
+from megatron_fsdp.comm.collectives import DEFAULT_COMM, CommConfig, Pending, all_gather, all_reduce, reduce_scatter
 from megatron_fsdp.core.grad_scaling import GradScaling
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.memory import grad_buffers
+from megatron_fsdp.memory.allocator import BufferPool
 from megatron_fsdp.memory.buffer import FlatBuffer
 from megatron_fsdp.sharding.layout import FlatLayout, build_flat_layout
 from megatron_fsdp.sharding.mesh import DataParallelMesh
@@ -119,8 +120,12 @@ class ParamGroup:
         device: torch.device,
         on_grads_ready: Callable[[ParamGroup], None],
         policy: MixedPrecisionPolicy | None = None,
+        *,
+        comm: CommConfig = DEFAULT_COMM,
+        pool: BufferPool | None = None,
     ) -> None:
         self.refs = refs
+        self.comm = comm  # the root's: how its collectives run and where they are counted (``use``)
         self.dp = dp
         self.plan = plan
         self.process_group: dist.ProcessGroup = dp.shard_group
@@ -159,7 +164,9 @@ class ParamGroup:
         self.refreshes = 0  # main -> compute copies (outer 'optim': all-gathers), for tests and accounting
         self.gathers = plan.optim and dp.shard_size > 1
         self.unsharded = (
-            FlatBuffer(self.layout.total_numel, self.compute_dtype, device, allocated=True) if self.gathers else None
+            FlatBuffer(self.layout.total_numel, self.compute_dtype, device, allocated=True, pool=pool)
+            if self.gathers
+            else None
         )
         self.sharded_params = [self._make_sharded_param(i) for i in range(len(refs))]
         self.unsharded_params = [self._make_unsharded_param(i) for i in range(len(refs))]
@@ -305,6 +312,14 @@ class ParamGroup:
                     f"{tuple(ref.param.shape)}, now {tuple(sharded.shape)}"
                 )
 
+    def use(self, comm: CommConfig, pool: BufferPool) -> None:
+        """Run with the root's collectives config and buffer pool (an enclosing ``fully_shard``)."""
+        self.comm = comm
+        if self.unsharded is not None and self.unsharded.pool is not pool:
+            if self.unsharded.allocated:
+                raise RuntimeError("ParamGroup.use: the unsharded weights are allocated; reshard first")
+            self.unsharded.pool = pool
+
     def mark_compute_stale(self) -> None:
         """The main weights may change (an optimizer step may follow): refresh before next use."""
         if self.compute_shard is not self.shard:
@@ -315,7 +330,7 @@ class ParamGroup:
         if self.compute_stale:
             with torch.no_grad():
                 if self.outer is not None:
-                    gather_compute_shard(self.compute_shard, self.shard, self.dp)
+                    gather_compute_shard(self.compute_shard, self.shard, self.dp, comm=self.comm)
                 else:
                     self.compute_shard.copy_(self.shard)
             self.compute_stale = False
@@ -336,7 +351,7 @@ class ParamGroup:
         # Registered before issuing: whatever happens below, the works stay in sight.
         self._gather = Pending()
         try:
-            all_gather(data, self.compute_shard, self.process_group, into=self._gather)
+            all_gather(data, self.compute_shard, self.process_group, into=self._gather, comm=self.comm)
         except BaseException:
             if self._gather.in_flight:
                 self.unsharded.abandon()  # a failed work may still write into it; _gather stays failed
@@ -471,10 +486,10 @@ class ParamGroup:
         if self.plan.grads:
             # dp_shard's share of the gradients: the main shard, or under outer 'optim' the compute shard.
             output = torch.empty(self.compute_shard.numel(), dtype=buffer.dtype, device=buffer.device)
-            work = reduce_scatter(output, buffer, self.reduce_process_group, input_is_scratch=True)
+            work = reduce_scatter(output, buffer, self.reduce_process_group, input_is_scratch=True, comm=self.comm)
             # No gradient aliases the buffer; a cast copy (comm dtype) is not worth keeping.
             return PendingReduce(self, work, output, scratch=buffer if buffer.dtype == self.grad_dtype else None)
-        work = all_reduce(buffer, self.reduce_process_group)
+        work = all_reduce(buffer, self.reduce_process_group, comm=self.comm)
         n = self.layout.shard_numel
         return PendingReduce(self, work, buffer.narrow(0, self.shard_rank * n, n))
 
@@ -487,9 +502,12 @@ class ParamGroup:
         """
         if self.outer is not None:
             piece = torch.empty(self.layout.shard_numel, dtype=reduced_shard.dtype, device=reduced_shard.device)
-            return reduce_scatter(piece, reduced_shard, self.dp.outer_group, kind="reduce_scatter_outer"), piece
+            return (
+                reduce_scatter(piece, reduced_shard, self.dp.outer_group, kind="reduce_scatter_outer", comm=self.comm),
+                piece,
+            )
         if self.dp.has_outer and self.dp.outer_size > 1:
-            return all_reduce(reduced_shard, self.dp.outer_group), reduced_shard
+            return all_reduce(reduced_shard, self.dp.outer_group, comm=self.comm), reduced_shard
         return Pending(), reduced_shard
 
     def install_grads(self, reduced_shard: torch.Tensor) -> None:

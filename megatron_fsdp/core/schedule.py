@@ -85,7 +85,7 @@ def _participate(unit: FSDPUnit) -> list[Pending]:
         if group.gathers:
             group.refresh_compute()
             scratch = torch.empty(group.layout.total_numel, dtype=group.compute_dtype, device=group.shard.device)
-            works.append(all_gather(scratch, group.compute_shard, group.process_group))
+            works.append(all_gather(scratch, group.compute_shard, group.process_group, comm=group.comm))
     return works
 
 
@@ -128,6 +128,7 @@ class CollectiveSchedule:
         self.group_index = {id(g): i for i, g in enumerate(self.groups)}
         self.unit_of = {id(g): u for u in units for g in u.groups}
         self._track = track
+        self.comm = units[0].comm  # the root's (control rounds are counted as its "control" bytes)
         anchor = next((g for g in self.groups), None)
         self.control: dist.ProcessGroup | None = None  # none without parameters: nothing to agree on
         self.device = torch.device("cpu")
@@ -398,7 +399,7 @@ class CollectiveSchedule:
         if self.control is not None and dist.get_world_size(self.control) > 1:
             on_device = payload.to(self.device)
             with self.waiting_for("a control round (core/schedule.py)"):
-                all_reduce_max(on_device, self.control)
+                all_reduce_max(on_device, self.control, comm=self.comm)
             payload = on_device.cpu()
         self.control_rounds += 1
         values = payload.tolist()

@@ -16,9 +16,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megatron_fsdp.core import step_guard
 from megatron_fsdp.core.grad_scaling import resolve_grad_scaling
+from megatron_fsdp.core.lookup import units_of
 from megatron_fsdp.core.meta_init import META_BUFFERS
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.core.module import FSDPModule, make_fsdp_module
+from megatron_fsdp.core.options import EngineOptions, resolve_options
 from megatron_fsdp.core.param_group import ParamGroup, ParamRef
 from megatron_fsdp.core.unit import FSDPUnit
 from megatron_fsdp.core.validation import (
@@ -107,6 +109,7 @@ def shard_module(
     dp_shard_dim: str | None = None,
     dp_outer_dim: str | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    options: EngineOptions | None = None,
 ) -> nn.Module:
     """The per-module ``fully_shard``: shard ``module``'s parameters and make it an ``FSDPModule``.
 
@@ -118,6 +121,7 @@ def shard_module(
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
+    resolve_options(options)  # type-checked before any collective
     plan = resolve_strategy(sharding_strategy)
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
     scaling = resolve_grad_scaling(gradient_scaling)
@@ -150,19 +154,22 @@ def shard_module(
         # gradients are all-reduced like DDP's; nothing to gather or shard.
         plan = STRATEGIES["no_shard"]
 
-    unit = FSDPUnit(module, plan, reshard_after_forward, scaling, mp_policy)
+    unit = FSDPUnit(module, plan, reshard_after_forward, scaling, mp_policy, options)
     by_kind: dict[tuple[torch.dtype, bool, bool], list[ParamRef]] = {}
     for ref in refs:
         by_kind.setdefault((ref.param.dtype, ref.param.requires_grad, ref.replicated), []).append(ref)
     unit.groups = [
         ParamGroup(
-            group, dp_mesh, STRATEGIES["no_shard"] if replicated else plan, device, unit.on_grads_ready, mp_policy
+            group, dp_mesh, STRATEGIES["no_shard"] if replicated else plan, device, unit.on_grads_ready, mp_policy,
+            comm=unit.comm, pool=unit.pool,
         )
         for (_, _, replicated), group in by_kind.items()
     ]
     for group in unit.groups:  # lets optimizer wrappers and grad-norm code find the engine from a parameter
         for param in group.sharded_params:
             param._megatron_fsdp_unit = weakref.ref(unit)
+    for child in units_of(module):  # the units already under it run with its options (core/options.py)
+        child.adopt(unit)
     _move_buffers(module, device)
     step_guard.watch(unit)
     module.register_state_dict_pre_hook(unit.release_before_state_dict)

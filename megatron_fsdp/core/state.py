@@ -19,13 +19,11 @@ from torch.autograd import Variable
 from megatron_fsdp.comm.profiling import REDUCE_WAIT, trace_range
 from megatron_fsdp.core.schedule import CollectiveSchedule
 from megatron_fsdp.memory import grad_buffers
-from megatron_fsdp.memory.allocator import default_pool
 
 if TYPE_CHECKING:
     from megatron_fsdp.core.param_group import PendingReduce
     from megatron_fsdp.core.unit import FSDPUnit
 
-MAX_REDUCES_IN_FLIGHT = 2
 LANDING_WAIT_S = 0.05
 
 
@@ -48,7 +46,7 @@ class RootState:
         self._in_flight: deque[PendingReduce] = deque()
         self._zeros_only: list[PendingReduce] = []  # finished, install decided at the end of backward
         # 0 makes every reduction synchronous (Megatron's overlap_grad_reduce=False).
-        self.max_in_flight: int = getattr(root, "max_reduces_in_flight", MAX_REDUCES_IN_FLIGHT)
+        self.max_in_flight: int = root.options.max_reduces_in_flight
         self._callback_queued = False
         # Set by the root's forward, cleared by the end of backward: still set at the
         # next forward means an optimizer step may have run without a backward.
@@ -138,4 +136,4 @@ class RootState:
         for unit in self.units:
             unit.finish_backward()
         if step_may_follow:
-            default_pool().end_of_backward()
+            self.root.pool.end_of_backward()

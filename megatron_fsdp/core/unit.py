@@ -21,14 +21,17 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from megatron_fsdp.comm.collectives import CommConfig, CommStats
 from megatron_fsdp.comm.profiling import REDUCE_ISSUE, REDUCE_WAIT, RESHARD, UNSHARD_ISSUE, UNSHARD_WAIT, trace_range
 from megatron_fsdp.core.grad_scaling import GradScaling
 from megatron_fsdp.core.lookup import units_of
 from megatron_fsdp.core.meta_init import materialize_meta
 from megatron_fsdp.core.microbatch import MicrobatchFlags
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.core.options import EngineOptions, differing_root_fields, resolve_options
 from megatron_fsdp.core.param_group import ParamGroup
 from megatron_fsdp.core.state import RootState
+from megatron_fsdp.memory.allocator import pool_for
 from megatron_fsdp.sharding.strategy import ShardingPlan
 
 
@@ -62,14 +65,22 @@ class FSDPUnit:
         reshard_after_forward: bool,
         grad_scaling: GradScaling,
         mp_policy: MixedPrecisionPolicy | None = None,
+        options: EngineOptions | None = None,
     ) -> None:
         self._module = weakref.ref(module)
+        # Engine options (core/options.py); an enclosing fully_shard replaces them with
+        # its own (``adopt``), so every unit runs with its root's. ``options_given``:
+        # passed explicitly, so an enclosing fully_shard must agree with them.
+        self.options_given = options is not None
+        self.options = resolve_options(options)
+        self.comm = CommConfig(self.options.gloo_fast_paths, self.options.side_streams, CommStats())
+        self.pool = pool_for(self.options.buffer_pool)
         self.plan = plan
         self.mp_policy = mp_policy
         self.grad_scaling = grad_scaling
         self.groups: list[ParamGroup] = []
         self.reshard_after_forward = reshard_after_forward
-        self.prefetch_depth = 1  # units whose all-gather starts while this one computes
+        self.prefetch_depth = self.options.prefetch_depth  # units whose all-gather starts while this one computes
         self.requires_gradient_sync = True
         self.microbatch: MicrobatchFlags | None = None
         self.root_state: RootState | None = None
@@ -78,6 +89,29 @@ class FSDPUnit:
         self._reshard_when_complete = False
         module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self.post_forward, always_call=True)
+
+    def adopt(self, root: FSDPUnit) -> None:
+        """Run with the options, collectives config (and stats) and pool of ``root``, which encloses this unit.
+
+        Raises if both were given options that differ in a field the units of one
+        root must agree on (``options.ROOT_FIELDS``), naming the field.
+        """
+        if self.options_given and self.options != root.options:
+            differ = differing_root_fields(self.options, root.options)
+            if differ:
+                raise ValueError(
+                    f"fully_shard({type(root.module).__name__}, options=...): a unit under it "
+                    f"({type(self.module).__name__}) was given different options ({', '.join(differ)}); "
+                    "units under one root run with the root's options: pass the same ones, or options only to the root"
+                )
+        if not self.options_given:
+            self.prefetch_depth = root.options.prefetch_depth
+        self.options_given = self.options_given or root.options_given
+        self.options = root.options
+        self.comm = root.comm
+        self.pool = root.pool
+        for group in self.groups:
+            group.use(self.comm, self.pool)
 
     @property
     def module(self) -> nn.Module:

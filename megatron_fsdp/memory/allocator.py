@@ -29,7 +29,6 @@ buffer only after the current stream has waited for every collective that used i
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -178,12 +177,16 @@ class BufferPool:
 # checking (python -m tests.soak: libc_malloc_debug.so.0, MALLOC_CHECK_=3), 50 with the
 # pool on and 50 off, gave 0 crashes and 0 failures (docs/performance.md); on 2 gloo
 # ranks the pool takes the benchmark from 0.79x to 0.72-0.74x FSDP2's step time for
-# 12.6 MiB more peak. MEGATRON_FSDP_BUFFER_POOL=0 turns it off for a process (read once,
-# at import); default_pool().wanted = False does the same at any time (buffers on loan
-# go back to the pool when freed). Options are to move into objects passed down from
-# the API (a separate issue); this variable stays until then.
-POOL_ENV = "MEGATRON_FSDP_BUFFER_POOL"
-_default_pool = BufferPool(enabled=os.environ.get(POOL_ENV, "1") != "0")
+# 12.6 MiB more peak. Whether a root uses it is its ``EngineOptions.buffer_pool``
+# (core/options.py); a root with the pool off gets ``unpooled()``.
+_default_pool = BufferPool()
+_unpooled = BufferPool(enabled=False)
+
+
+def pool_for(enabled: bool) -> BufferPool:
+    """The process-wide pool, or (``enabled=False``) a pool that never pools (plain ``resize_``)."""
+    return _default_pool if enabled else _unpooled
+
 
 def default_pool() -> BufferPool:
     """The process-wide pool every ``FlatBuffer`` and gradient buffer uses unless told otherwise."""

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from megatron_fsdp.comm.collectives import all_gather
+from megatron_fsdp.comm.collectives import DEFAULT_COMM, CommConfig, all_gather
 from megatron_fsdp.sharding.mesh import DataParallelMesh
 
 _FLAT_DIM = "_megatron_fsdp_dp"
@@ -104,7 +104,9 @@ def _flat_mesh(device_type: str, ranks: tuple[int, ...]) -> DeviceMesh:
     return _FLAT_MESHES[key]
 
 
-def gather_compute_shard(compute_shard: torch.Tensor, main_piece: torch.Tensor, dp: DataParallelMesh) -> None:
+def gather_compute_shard(
+    compute_shard: torch.Tensor, main_piece: torch.Tensor, dp: DataParallelMesh, *, comm: CommConfig = DEFAULT_COMM
+) -> None:
     """Rebuild this ``dp_shard`` rank's compute shard from the main pieces of its ``dp_outer`` peers."""
     source = main_piece if main_piece.dtype == compute_shard.dtype else main_piece.to(compute_shard.dtype)
-    all_gather(compute_shard, source, dp.outer_group, kind="all_gather_outer").wait()
+    all_gather(compute_shard, source, dp.outer_group, kind="all_gather_outer", comm=comm).wait()

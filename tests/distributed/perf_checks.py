@@ -10,7 +10,7 @@ import torch.distributed as dist
 from models import Block, Net, local_batch, loss_fn
 from torch import nn
 
-from megatron_fsdp import fully_shard
+from megatron_fsdp import EngineOptions, fully_shard
 from megatron_fsdp.comm.profiling import RANGE_NAMES
 from megatron_fsdp.memory import allocator
 from megatron_fsdp.memory.allocator import default_pool
@@ -34,12 +34,16 @@ class Stack(nn.Module):
         return x
 
 
-def sharded_stack() -> Stack:
+# The pool on whatever MEGATRON_FSDP_BUFFER_POOL says (python -m tests.soak runs with it off).
+POOLED = EngineOptions(buffer_pool=True)
+
+
+def sharded_stack(options: EngineOptions | None = None) -> Stack:
     torch.manual_seed(0)
     model = Stack()
     for block in model.blocks:
         fully_shard(block)
-    return fully_shard(model)
+    return fully_shard(model, options=options)  # handed down to the blocks' units
 
 
 def train_steps(model: nn.Module, steps: int, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -90,17 +94,6 @@ def pool_disabled():
         allocator._swap = saved
 
 
-@contextlib.contextmanager
-def pool_enabled():
-    """The process-wide pool switched on (the default, unless MEGATRON_FSDP_BUFFER_POOL=0)."""
-    pool = default_pool()
-    saved, pool.wanted = pool.wanted, True
-    try:
-        yield pool
-    finally:
-        pool.wanted = saved
-
-
 @check(SUITE, world_sizes=(2,))
 def profiler_sees_named_ranges() -> None:
     rank, n = world()
@@ -121,13 +114,8 @@ def profiler_sees_named_ranges() -> None:
 
 @check(SUITE, world_sizes=(2,))
 def pool_stops_allocating_after_warmup() -> None:
-    with pool_enabled():
-        _pool_stops_allocating_after_warmup()
-
-
-def _pool_stops_allocating_after_warmup() -> None:
     pool = default_pool()
-    model = sharded_stack()
+    model = sharded_stack(POOLED)
     train_steps(model, 2)
     warm = pool.stats()
     train_steps(model, 3)
@@ -144,13 +132,8 @@ def _pool_stops_allocating_after_warmup() -> None:
 @check(SUITE, world_sizes=(2,))
 def pool_keeps_numerics_and_memory() -> None:
     """Pooled and plain allocation train bitwise alike, and the pool does not raise peak memory."""
-    with pool_enabled():
-        _pool_keeps_numerics_and_memory()
-
-
-def _pool_keeps_numerics_and_memory() -> None:
     default_pool().trim()
-    plain, pooled = sharded_stack(), sharded_stack()
+    plain, pooled = sharded_stack(POOLED), sharded_stack(POOLED)
     with pool_disabled():
         train_steps(plain, 1)  # warm-up, then measure
         plain_peak = peak_rss_increase(lambda: train_steps(plain, 3))
@@ -167,11 +150,6 @@ def _pool_keeps_numerics_and_memory() -> None:
 
 @check(SUITE, world_sizes=(2,))
 def pooled_gradients_match_unsharded_model() -> None:
-    with pool_enabled():
-        _pooled_gradients_match_unsharded_model()
-
-
-def _pooled_gradients_match_unsharded_model() -> None:
     rank, n = world()
     torch.manual_seed(0)
     base = Stack(3)
@@ -179,7 +157,7 @@ def _pooled_gradients_match_unsharded_model() -> None:
     model = copy.deepcopy(base)
     for block in model.blocks:
         fully_shard(block)
-    fully_shard(model)
+    fully_shard(model, options=POOLED)
     xs = [torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(s)) for s in range(2 * n)]
     for step in range(2):
         mine = xs[step * n + rank]
