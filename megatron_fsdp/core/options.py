@@ -73,8 +73,8 @@ def resolve_options(options: EngineOptions | None) -> EngineOptions:
 
 
 def differing_root_fields(a: EngineOptions, b: EngineOptions) -> list[str]:
-    """The fields in ``ROOT_FIELDS`` where ``a`` and ``b`` differ, as ``name=a vs b``."""
-    return [f"{name}={getattr(a, name)!r} vs {getattr(b, name)!r}" for name in ROOT_FIELDS
+    """The fields in ``ROOT_FIELDS`` where ``a`` and ``b`` differ, as ``name=<b's> here, <a's>``."""
+    return [f"{name}={getattr(b, name)!r} here, {getattr(a, name)!r}" for name in ROOT_FIELDS
             if getattr(a, name) != getattr(b, name)]
 
 

@@ -121,7 +121,9 @@ def shard_module(
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
-    resolve_options(options)  # type-checked before any collective
+    resolved = resolve_options(options)
+    for child in units_of(module):  # before anything changes: the units under it take its options
+        child.check_enclosing_options(resolved, f"fully_shard({type(module).__name__}, options=...)")
     plan = resolve_strategy(sharding_strategy)
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
     scaling = resolve_grad_scaling(gradient_scaling)

@@ -90,20 +90,24 @@ class FSDPUnit:
         module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self.post_forward, always_call=True)
 
-    def adopt(self, root: FSDPUnit) -> None:
-        """Run with the options, collectives config (and stats) and pool of ``root``, which encloses this unit.
+    def check_enclosing_options(self, options: EngineOptions, where: str) -> None:
+        """Raise if this unit was given options that differ from an enclosing unit's in a root field.
 
-        Raises if both were given options that differ in a field the units of one
-        root must agree on (``options.ROOT_FIELDS``), naming the field.
+        The units of one root run with its options; a field they must agree on
+        (``options.ROOT_FIELDS``) given differently to a unit under it would be
+        silently overridden, so it is refused, naming the field.
         """
-        if self.options_given and self.options != root.options:
-            differ = differing_root_fields(self.options, root.options)
-            if differ:
-                raise ValueError(
-                    f"fully_shard({type(root.module).__name__}, options=...): a unit under it "
-                    f"({type(self.module).__name__}) was given different options ({', '.join(differ)}); "
-                    "units under one root run with the root's options: pass the same ones, or options only to the root"
-                )
+        differ = differing_root_fields(self.options, options) if self.options_given else []
+        if differ:
+            raise ValueError(
+                f"{where}: a unit under it ({type(self.module).__name__}) was given different options "
+                f"({', '.join(f'{d} there' for d in differ)}); the units under one root run with the root's "
+                "options: pass the same ones, or options only to the root"
+            )
+
+    def adopt(self, root: FSDPUnit) -> None:
+        """Run with the options, collectives config (and stats) and pool of ``root``, which encloses this unit."""
+        self.check_enclosing_options(root.options, f"fully_shard({type(root.module).__name__})")
         if not self.options_given:
             self.prefetch_depth = root.options.prefetch_depth
         self.options_given = self.options_given or root.options_given

@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp
-from megatron_fsdp import RaggedShard, comm_stats, fully_shard
+from megatron_fsdp import EngineOptions, RaggedShard, comm_stats, fully_shard
+from megatron_fsdp.core.lookup import units_of
 from tests.distributed.harness import check
 
 SUITE = "engine"
@@ -557,3 +558,69 @@ def parameter_attributes_are_carried() -> None:
     block.unshard()  # the compute-time parameters carry them too
     assert block.up.weight.sequence_parallel is True and type(block.up.weight) is nn.Parameter
     block.reshard()
+
+
+@check(SUITE, world_sizes=(2,))
+def two_models_with_different_options_train_apart() -> None:
+    """Two roots in one process, options apart (pool, gloo fast paths, reductions in flight): both
+    train bitwise like DDP, and each root's ``fsdp_comm_stats`` counts only its own collectives."""
+    rank, n = world()
+    torch.manual_seed(0)
+    base = Net()
+    ddp = DDP(copy.deepcopy(base), find_unused_parameters=True)
+    fast = EngineOptions(buffer_pool=True, gloo_fast_paths=True, max_reduces_in_flight=2)
+    plain = EngineOptions(buffer_pool=False, gloo_fast_paths=False, max_reduces_in_flight=0)
+    a = shard_net(copy.deepcopy(base), "optim_grads_params", options=fast)
+    b = copy.deepcopy(base)
+    for block in b.blocks:
+        fully_shard(block)  # no options: they take the root's
+    fully_shard(b.probe)
+    fully_shard(b, options=plain)
+    for model, options in ((a, fast), (b, plain)):
+        units = units_of(model)
+        assert all(u.options == options and u.comm is model.fsdp_unit.comm for u in units), options
+        assert all(u.pool.wanted is options.buffer_pool for u in units), options
+    assert a.fsdp_comm_stats is not b.fsdp_comm_stats
+    opts = [make_optimizer("adamw", m.parameters()) for m in (a, b, ddp)]
+    for step in range(STEPS):
+        batch = local_batch(step, rank, n)
+        comm_stats.reset()
+        a.fsdp_comm_stats.reset()
+        b.fsdp_comm_stats.reset()
+        losses = [loss_fn(m, batch) for m in (a, b)]  # forwards interleaved, then both backwards
+        for loss in losses:
+            loss.backward()
+        mine_a, mine_b = a.fsdp_comm_stats, b.fsdp_comm_stats
+        assert mine_a.bytes + mine_b.bytes == comm_stats.bytes, (dict(mine_a.bytes), dict(mine_b.bytes))
+        assert mine_a.calls + mine_b.calls == comm_stats.calls, (dict(mine_a.calls), dict(mine_b.calls))
+        assert mine_a.bytes == mine_b.bytes, "the fast paths move the same bytes"
+        if step > 0:  # after the lazy init: the ZeRO-3 minimum of one model, not of two
+            gather, reduce = expected_bytes(a)
+            extra = sum(g.layout.total_numel * 4 for g in a.blocks[0].fsdp_unit.groups)
+            assert mine_a.bytes["all_gather"] == gather + extra, (dict(mine_a.bytes), gather + extra)
+            assert mine_a.bytes["reduce_scatter"] == reduce, (dict(mine_a.bytes), reduce)
+            assert mine_a.calls["control"] == 2, dict(mine_a.calls)
+        loss_ddp = loss_fn(ddp, batch)
+        loss_ddp.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        for model, loss in zip((a, b), losses):
+            assert loss.item() == loss_ddp.item(), f"step {step}: loss {loss.item()} vs DDP {loss_ddp.item()}"
+            assert_close_params(model, ddp.module, exact=True, what=f"{model.fsdp_options} step {step} vs DDP")
+
+
+@check(SUITE, world_sizes=(2,))
+def units_under_one_root_agree_on_options() -> None:
+    """A unit given options that its root overrides in a field that matters is refused, naming the field."""
+    model = Net()
+    fully_shard(model.blocks[0], options=EngineOptions(max_reduces_in_flight=0, prefetch_depth=3))
+    fully_shard(model.blocks[1], options=EngineOptions(max_reduces_in_flight=0, prefetch_depth=0))  # depth: per unit
+    fully_shard(model.blocks[2])
+    expect_error(ValueError, "max_reduces_in_flight=2 here, 0 there", fully_shard, model)
+    assert not isinstance(model, megatron_fsdp.FSDPModule), "refused before anything changed"
+    fully_shard(model, options=EngineOptions(max_reduces_in_flight=0))
+    assert model.blocks[0].fsdp_unit.prefetch_depth == 3 and model.blocks[1].fsdp_unit.prefetch_depth == 0
+    assert model.blocks[2].fsdp_unit.options.max_reduces_in_flight == 0  # not given: the root's
+    assert model.fsdp_unit.prefetch_depth == 1
+    expect_error(TypeError, "EngineOptions", fully_shard, nn.Linear(2, 2), options={"buffer_pool": False})
