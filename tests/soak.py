@@ -9,7 +9,8 @@ later and elsewhere. ``MALLOC_PERTURB_`` fills freed memory, so a read of freed
 memory gives wrong numbers (a failing check) instead of plausible ones.
 
 Runs cycle through the chosen suites and world sizes, for each buffer-pool setting
-(``MEGATRON_FSDP_BUFFER_POOL``). At the end it prints, per pool setting, how many runs
+(``MEGATRON_FSDP_BUFFER_POOL``: the default of ``EngineOptions.buffer_pool``, which the suites
+leave unset except where a check needs the pool on). At the end it prints, per pool setting, how many runs
 passed, failed (a check failed), crashed (a rank or the run died by a signal) or hung
 (killed after ``--timeout``), and where the output of every run that did not pass is.
 The exit status is 0 only if every run passed.
