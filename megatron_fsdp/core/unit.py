@@ -153,14 +153,15 @@ class FSDPUnit:
     def prefetch(self) -> None:
         """Start this unit's all-gathers early, unless it is busy or already gathered."""
         if self.state is TrainingState.IDLE:
-            with trace_range(UNSHARD_ISSUE, self.device):
-                for group in self.groups:
-                    group.start_unshard()
+            self._start_unshard()
 
-    def unshard(self) -> None:
+    def _start_unshard(self) -> None:
         with trace_range(UNSHARD_ISSUE, self.device):
             for group in self.groups:
                 group.start_unshard()
+
+    def unshard(self) -> None:
+        self._start_unshard()
         with trace_range(UNSHARD_WAIT, self.device):
             for group in self.groups:
                 group.finish_unshard()

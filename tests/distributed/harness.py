@@ -192,3 +192,24 @@ def pytest_suite(checks_module, world_sizes: tuple[int, ...] = (2, 4)):
         assert not failures[name], "\n".join(failures[name])
 
     return results, test
+
+
+def spawn_and_collect(worker: Callable[..., None], out_dir: str, nprocs: int = 2) -> list[dict]:
+    """Run ``worker(rank, port, out_dir)`` on ``nprocs`` spawned ranks; return each rank's ``rank<r>.json``.
+
+    For tests that drive whole programs (the front-end) rank by rank and report per case.
+    """
+    mp.start_processes(worker, args=(free_port(), out_dir), nprocs=nprocs, start_method="spawn", join=True)
+    per_rank = []
+    for rank in range(nprocs):
+        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+            per_rank.append(json.load(f))
+    return per_rank
+
+
+def error_on_every_rank(runs: list[dict], name: str) -> str:
+    """Rank 0's error of case ``name``, after checking that every rank failed (none left training alone)."""
+    errors = [rank[name].get("error") for rank in runs]
+    assert None not in errors, f"{name}: expected an error on every rank, got {errors}\n{runs[0][name].get('log', '')}"
+    return errors[0]
+

@@ -19,7 +19,8 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.distributed.harness import error_on_every_rank, spawn_and_collect
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ("--mock-data --vocab-size 60 --num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -91,22 +92,7 @@ def _worker(rank: int, port: int, tmp: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
-    from tests.distributed.harness import free_port
-
-    tmp = str(tmp_path_factory.mktemp("checkpoint-frontend"))
-    mp.start_processes(_worker, args=(free_port(), tmp), nprocs=2, start_method="spawn", join=True)
-    out = []
-    for rank in range(2):
-        with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-            out.append(json.load(f))
-    return out
-
-
-def _error(runs: list[dict], name: str) -> str:
-    """Rank 0's error, after checking that every rank failed (none left training alone)."""
-    errors = [rank[name].get("error") for rank in runs]
-    assert None not in errors, f"{name}: expected an error on every rank, got {errors}\n{runs[0][name]['log']}"
-    return errors[0]
+    return spawn_and_collect(_worker, str(tmp_path_factory.mktemp("checkpoint-frontend")))
 
 
 def _trained(runs: list[dict], name: str) -> list[int]:
@@ -116,7 +102,7 @@ def _trained(runs: list[dict], name: str) -> list[int]:
 
 def test_load_of_a_path_without_checkpoint_fails_unless_fresh_start_allowed(runs):
     assert _trained(runs, "save") == [1, 2, 3, 4]
-    error = _error(runs, "load_wrong_path")
+    error = error_on_every_rank(runs, "load_wrong_path")
     assert "FileNotFoundError: --load" in error and "rnu does not exist" in error, error
     assert "--allow-fresh-start" in error, error
     assert runs[0]["load_wrong_path"]["tracker"].strip() == "4"  # the real checkpoint was not touched
@@ -125,25 +111,25 @@ def test_load_of_a_path_without_checkpoint_fails_unless_fresh_start_allowed(runs
 
 
 def test_a_run_whose_saves_would_move_the_tracker_back_fails_at_start(runs):
-    error = _error(runs, "save_behind_tracker")
+    error = error_on_every_rank(runs, "save_behind_tracker")
     assert "already holds a checkpoint of iteration 4" in error and "starts at iteration 0" in error, error
     assert " iteration " not in runs[0]["save_behind_tracker"]["log"]  # before any training
     assert runs[0]["save_behind_tracker"]["tracker"].strip() == "4"
 
 
 def test_other_model_arguments_with_equal_shapes_are_refused(runs):
-    error = _error(runs, "heads_changed")
+    error = error_on_every_rank(runs, "heads_changed")
     assert "--num-attention-heads 4 (saved) vs 8 (now)" in error and "--no-load-args-check" in error, error
-    error = _error(runs, "vocab_changed")
+    error = error_on_every_rank(runs, "vocab_changed")
     assert "--vocab-size 60 (saved) vs 100 (now)" in error, error
     assert "--padded-vocab-size" not in error  # both pad to 128: only the flag the user changed
     assert _trained(runs, "heads_changed_unchecked") == [5, 6]
 
 
 def test_missing_or_damaged_parts_are_errors_naming_the_file(runs):
-    error = _error(runs, "missing_extra")
+    error = error_on_every_rank(runs, "missing_extra")
     assert "CheckpointIncompleteError" in error and "no_extra/iter_0000004/extra.pt is missing" in error, error
-    error = _error(runs, "damaged_shard")
+    error = error_on_every_rank(runs, "damaged_shard")
     assert "CheckpointCorruptError" in error and "iter_0000004/__1_0.distcp does not match its SHA-256" in error
 
 

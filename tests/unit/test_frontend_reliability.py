@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron.training.arguments import parse_args
 from megatron.training.datasets.indexed_dataset import IndexedDatasetBuilder
+from tests.distributed.harness import error_on_every_rank, free_port, spawn_and_collect
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ("--mock-data --vocab-size 60 --num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -100,27 +100,13 @@ def _write_dataset(prefix: str, high: int) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     """Every case's outcome on each rank: {"error": ...} or {"losses": ..., "iteration": ...}, plus "log"."""
-    from tests.distributed.harness import free_port
-
     tmp = str(tmp_path_factory.mktemp("reliability"))
     open(os.path.join(tmp, "file"), "w").close()
     _write_dataset(os.path.join(tmp, "wide"), 100)  # ids of a 100-token vocabulary; the runs say --vocab-size 60
     _write_dataset(os.path.join(tmp, "cut"), 60)
     with open(os.path.join(tmp, "cut.bin"), "r+b") as f:
         f.truncate(os.path.getsize(os.path.join(tmp, "cut.bin")) - 10)
-    mp.start_processes(_worker, args=(free_port(), tmp), nprocs=2, start_method="spawn", join=True)
-    out = []
-    for rank in range(2):
-        with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-            out.append(json.load(f))
-    return out
-
-
-def _error(runs: list[dict], name: str) -> str:
-    """Rank 0's error, after checking that every rank failed (none left training alone)."""
-    errors = [rank[name].get("error") for rank in runs]
-    assert None not in errors, f"{name}: expected an error on every rank, got {errors}"
-    return errors[0]
+    return spawn_and_collect(_worker, tmp)
 
 
 def test_healthy_run_reports_a_nonzero_throughput(runs):
@@ -134,7 +120,7 @@ def test_healthy_run_reports_a_nonzero_throughput(runs):
 
 
 def test_nan_loss_fails_at_its_iteration(runs):
-    error = _error(runs, "nan_checked")
+    error = error_on_every_rank(runs, "nan_checked")
     assert error.startswith("NonFiniteLossError: iteration 2: lm loss nan"), error
     assert "--lr" in error and "--no-check-for-nan-in-loss-and-grad" in error
 
@@ -149,28 +135,28 @@ def test_unchecked_nan_iterations_are_skipped_and_counted(runs):
 
 
 def test_all_iterations_skipped_is_an_error(runs):
-    error = _error(runs, "nan_unchecked_all")
+    error = error_on_every_rank(runs, "nan_unchecked_all")
     assert error.startswith("NonFiniteLossError: all 4 iterations (1 to 4) were skipped"), error
 
 
 def test_empty_train_split_names_split(runs):
-    error = _error(runs, "empty_train_split")
+    error = error_on_every_rank(runs, "empty_train_split")
     assert "--split 0,1,0 leaves the train split of --mock-data without documents" in error, error
 
 
 def test_unusable_save_dir_fails_at_start(runs):
-    error = _error(runs, "save_is_a_file")
+    error = error_on_every_rank(runs, "save_is_a_file")
     assert re.search(r"--save \S+/file cannot hold checkpoints \(rank 0: NotADirectoryError", error), error
     assert "iteration" not in runs[0]["save_is_a_file"]["log"]  # before any training
 
 
 def test_token_ids_beyond_vocab_name_the_tokenizer(runs):
-    error = _error(runs, "ids_beyond_vocab")
+    error = error_on_every_rank(runs, "ids_beyond_vocab")
     assert "(train split): token id" in error and "outside the tokenizer's vocabulary [0, 61)" in error, error
 
 
 def test_truncated_data_fails_at_start(runs):
-    error = _error(runs, "truncated_bin")
+    error = error_on_every_rank(runs, "truncated_bin")
     assert re.search(r"cut\.bin is truncated or corrupt", error), error
     assert "number of parameters" not in runs[0]["truncated_bin"]["log"]  # found before the model is built
 
@@ -216,8 +202,6 @@ def test_save_dir_check_single_process(tmp_path):
 def test_cli_exit_code_when_every_iteration_is_skipped():
     """The command line, not only pretrain(): a run that trained nothing must not exit 0."""
     import subprocess
-
-    from tests.distributed.harness import free_port
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     env.update(MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
