@@ -145,7 +145,7 @@ class CollectiveSchedule:
         self.sequences: dict[Phase, list[int] | None] = {Phase.FORWARD: None, Phase.BACKWARD: None}
         self.cursor: GatherCursor | None = None
         self.phase: Phase | None = None
-        self._first_use: list[int] = []
+        self._first_use: dict[int, None] = {}  # units in first-use order (a dict: O(1) membership)
         self._eligible: list[bool] = [False] * len(self.groups)
         self._reduce_order: list[ParamGroup] = []
         self._reduce_next = 0
@@ -162,7 +162,7 @@ class CollectiveSchedule:
     def begin_forward(self) -> None:
         self.phase = Phase.FORWARD
         self._gather_log = []
-        self._first_use = []
+        self._first_use = {}
         self.cursor = GatherCursor(self._default_sequence(Phase.FORWARD))
         for unit in self.units:  # ZeRO-1/2: every unit's weights, once per step, in unit order
             if gathers_once_per_step(unit):
@@ -171,8 +171,8 @@ class CollectiveSchedule:
 
     def record_use(self, unit: FSDPUnit) -> None:
         index = self.index[id(unit)]
-        if self.phase is Phase.FORWARD and index not in self._first_use:
-            self._first_use.append(index)
+        if self.phase is Phase.FORWARD:
+            self._first_use.setdefault(index)
 
     def end_forward(self, ran_with_grad: list[bool]) -> None:
         """Close the forward: agree who ran what, and the orders for the backward and next forward."""
