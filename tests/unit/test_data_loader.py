@@ -21,8 +21,7 @@ def make_args(**overrides):
     args = dict(
         mock_data=True, data_path=None, split="969,30,1", seq_length=SEQ, micro_batch_size=MBS,
         global_batch_size=GBS, train_iters=6, eval_iters=2, eval_interval=3, seed=1234, vocab_size=50,
-        tokenizer_type="NullTokenizer", tokenizer_model=None, eod_mask_loss=False, consumed_train_samples=0,
-        consumed_valid_samples=0, num_workers=0,
+        tokenizer_type="NullTokenizer", tokenizer_model=None, eod_mask_loss=False, num_workers=0,
     )
     args.update(overrides)
     return argparse.Namespace(**args)
@@ -32,9 +31,13 @@ def sample_rows(dataset, indices):
     return torch.stack([dataset[i]["tokens"] for i in indices])
 
 
-def steps_by_rank(args, dp_size, split=0):
+def steps_by_rank(args, dp_size, split=0, consumed_train_samples=0):
     """micro-batches[rank] (list of dicts) from fresh iterators of every rank."""
-    return [list(build_train_valid_test_data_iterators(args, r, dp_size)[split]) for r in range(dp_size)]
+    iterators = [
+        build_train_valid_test_data_iterators(args, r, dp_size, consumed_train_samples=consumed_train_samples)
+        for r in range(dp_size)
+    ]
+    return [list(its[split]) for its in iterators]
 
 
 def test_sampler_indices():
@@ -69,13 +72,13 @@ def test_micro_batch_layout_and_union(dp_size):
 def test_resume_at_same_and_different_dp_size():
     args = make_args()
     full = steps_by_rank(args, 2)
-    resumed = steps_by_rank(make_args(consumed_train_samples=3 * GBS), 2)
+    resumed = steps_by_rank(make_args(), 2, consumed_train_samples=3 * GBS)
     for rank in range(2):
         tail = full[rank][3 * 2 :]  # 2 micro-batches per step per rank at dp 2
         assert len(resumed[rank]) == len(tail)
         assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(tail, resumed[rank]))
     # resume at dp 4: each step still holds the same set of samples
-    resumed4 = steps_by_rank(make_args(consumed_train_samples=3 * GBS), 4)
+    resumed4 = steps_by_rank(make_args(), 4, consumed_train_samples=3 * GBS)
     for step in range(3):
         ref = torch.cat([full[r][(3 + step) * 2 + m]["tokens"] for r in range(2) for m in range(2)])
         got = torch.cat([resumed4[r][step]["tokens"] for r in range(4)])
@@ -90,7 +93,7 @@ def test_valid_and_test_sample_counts():
     assert len(list(test)) == 2 * GBS // per_micro
     _, valid, test = build_train_valid_test_data_iterators(make_args(eval_iters=0), 0, 1)
     assert valid is None and test is None
-    _, valid_resumed, _ = build_train_valid_test_data_iterators(make_args(consumed_valid_samples=GBS), 0, 1)
+    _, valid_resumed, _ = build_train_valid_test_data_iterators(make_args(), 0, 1, consumed_valid_samples=GBS)
     _, valid_full, _ = build_train_valid_test_data_iterators(args, 0, 1)
     full = list(valid_full)
     rest = list(valid_resumed)
@@ -132,9 +135,9 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="--split"):
         build_train_valid_test_data_iterators(make_args(split="train,valid"), 0, 1)
     with pytest.raises(ValueError, match="consumed samples 3"):
-        build_train_valid_test_data_iterators(make_args(consumed_train_samples=3), 0, 1)
+        build_train_valid_test_data_iterators(make_args(), 0, 1, consumed_train_samples=3)
     with pytest.raises(ValueError, match="consumed samples"):
-        build_train_valid_test_data_iterators(make_args(consumed_train_samples=100 * GBS), 0, 1)
+        build_train_valid_test_data_iterators(make_args(), 0, 1, consumed_train_samples=100 * GBS)
     with pytest.raises(ValueError, match="--vocab-size"):
         build_train_valid_test_data_iterators(make_args(vocab_size=None), 0, 1)
     with pytest.raises(ValueError, match="data-parallel rank 2"):

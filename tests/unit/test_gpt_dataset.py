@@ -163,8 +163,7 @@ def make_args(**overrides):
     args = dict(
         mock_data=False, data_path=None, split="8,1,1", seq_length=8, micro_batch_size=2, global_batch_size=4,
         train_iters=10, eval_iters=2, eval_interval=5, seed=1234, vocab_size=EOD, tokenizer_type="NullTokenizer",
-        tokenizer_model=None, eod_mask_loss=False, consumed_train_samples=0, consumed_valid_samples=0,
-        num_workers=0,
+        tokenizer_model=None, eod_mask_loss=False, num_workers=0,
     )
     args.update(overrides)
     return argparse.Namespace(**args)
