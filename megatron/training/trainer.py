@@ -92,13 +92,8 @@ class Trainer:
         self.device = backend.device
         self.result = TrainingResult(iteration=state.iteration)
 
-    def _dp_sum(self, values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor)
-        return tensor.tolist()
-
     def _batch(self, data_iterator: Iterator[dict]) -> dict:
-        return {k: v.to(self.device) for k, v in next(data_iterator).items()}
+        return {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
 
     def train_step(self, data_iterator: Iterator[dict]) -> StepResult:
         """One global batch: forward/backward over the micro-batches, clip, step."""
@@ -106,7 +101,10 @@ class Trainer:
         backend.zero_grad()
         self.optimizer.zero_grad(set_to_none=True)
         n = config.num_microbatches
-        loss_sum = loss_tokens = mean_sum = 0.0
+        # (masked loss sum, tokens, per-micro-batch mean) summed on the device in float64 (the arithmetic of
+        # Python floats), read once per step: an .item() per micro-batch would make the CPU wait for every
+        # backward and its reductions before queueing the next forward's gathers.
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         for m in range(n):
             batch = self._batch(data_iterator)
             with backend.accumulation(is_first=m == 0, is_last=m == n - 1):
@@ -119,11 +117,11 @@ class Trainer:
                 else:
                     scaled = masked / tokens.clamp(min=1) / n
                 scaled.backward()
-            loss_sum += masked.item()
-            loss_tokens += tokens.item()
-            mean_sum += masked.item() / max(tokens.item(), 1.0)
+            masked, tokens = masked.detach().double(), tokens.detach().double()
+            totals += torch.stack([masked, tokens, masked / tokens.clamp(min=1.0)])
         backend.finish_grad_sync()
-        total_sum, total_tokens, total_means = self._dp_sum([loss_sum, loss_tokens, mean_sum])
+        dist.all_reduce(totals)
+        total_sum, total_tokens, total_means = totals.tolist()
         if config.calculate_per_token_loss:
             backend.scale_gradients(1.0 / max(total_tokens, 1.0))
             loss = total_sum / max(total_tokens, 1.0)
@@ -143,20 +141,18 @@ class Trainer:
         """Mean lm loss over ``--eval-iters`` global batches."""
         config, backend = self.config, self.backend
         backend.model.eval()
-        loss_sum = tokens = mean_sum = 0.0
-        count = 0
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)  # as in train_step, plus a count
         for _ in range(config.eval_iters):
             for _ in range(config.num_microbatches):
                 batch = self._batch(data_iterator)
                 with backend.autocast():
                     losses, mask = self.forward_step(batch, backend.model)
-                masked = float((losses.float() * mask).sum())
-                loss_sum, tokens = loss_sum + masked, tokens + float(mask.sum())
-                mean_sum += masked / max(float(mask.sum()), 1.0)
-                count += 1
+                masked, tokens = (losses.float() * mask).sum().double(), mask.sum().double()
+                totals += torch.stack([masked, tokens, masked / tokens.clamp(min=1.0), torch.ones_like(masked)])
         backend.model.train()
         self.state.consumed_valid_samples += config.eval_iters * config.global_batch_size
-        total_sum, total_tokens, total_means, total_count = self._dp_sum([loss_sum, tokens, mean_sum, count])
+        dist.all_reduce(totals)
+        total_sum, total_tokens, total_means, total_count = totals.tolist()
         if config.calculate_per_token_loss:
             return total_sum / max(total_tokens, 1.0)
         return total_means / total_count

@@ -7,6 +7,7 @@ import contextlib
 import copy
 import inspect
 import math
+import sys
 
 import pytest
 import torch
@@ -94,7 +95,7 @@ def _forward_step(batch: dict, model: torch.nn.Module):
     return model(batch["tokens"], labels=batch["labels"]), batch["loss_mask"]
 
 
-def test_trainer_drives_any_backend_and_trains_like_a_plain_loop(one_rank):
+def test_trainer_drives_any_backend_and_trains_like_a_plain_loop(one_rank, monkeypatch):
     args = validate_args(parse_args(FLAGS), 1)
     args.padded_vocab_size = 50  # what pretrain derives from the tokenizer
     args = freeze_args(args)
@@ -115,7 +116,19 @@ def test_trainer_drives_any_backend_and_trains_like_a_plain_loop(one_rank):
     scheduler = OptimizerParamScheduler(optimizer, max_lr=args.lr, min_lr=0.0, warmup_steps=0, decay_steps=3,
                                         decay_style="constant")
     state = RunState()
+    # The loop's host reads of device values (each is a CPU/GPU sync on CUDA; the optimizer's own are not counted).
+    reads = {"item": 0, "tolist": 0}
+    for method in reads:
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *a, _original=original, _method=method, **k):
+            reads[_method] += sys._getframe(1).f_code.co_filename == trainer.__file__
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
     result = Trainer(args, config, backend, optimizer, scheduler, _forward_step, state).train(iter(batches), None)
+    monkeypatch.undo()
+    assert reads == {"item": 0, "tolist": 3}, reads  # one read per step, none per micro-batch
 
     per_step = [("zero_grad",), ("accumulation", True, False), ("accumulation", False, True), ("finish_grad_sync",)]
     assert backend.calls == per_step * 3
