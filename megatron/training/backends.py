@@ -14,25 +14,28 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from megatron_fsdp.core.microbatch import microbatch
 from megatron_fsdp.core.module import FSDPModule
 from megatron_fsdp.mcore import FullyShardedDataParallel
+from megatron_fsdp.optim.grad_norm import clip_grad_norm_
 from megatron_fsdp.optim.optimizer import fully_shard_optimizer
+from megatron_fsdp.parallel import allreduce_sequence_parallel_grads, params_for_grad_norm
 
 from .initialize import print_rank_0
 from .model_setup import ddp_config_from_args
+from .parallel_state import ParallelLayout
 
 
 class DataParallelBackend(abc.ABC):
     """A wrapped model and the operations the loop needs on it."""
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, layout: ParallelLayout) -> None:
         self.model = model  # what forward_step calls
         self.device = device
+        self.layout = layout  # the data-parallel group the loop sums losses over, the TP group
 
     @property
     def module(self) -> nn.Module:
@@ -50,6 +53,20 @@ class DataParallelBackend(abc.ABC):
     def summed_loss_factor(self) -> float:
         """What a summed (per-token) loss is multiplied by before backward, for gradients to be sums over ranks."""
         return 1.0
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the gradients to ``max_norm`` (inf: no clipping) by their global norm; return the norm.
+
+        Each parameter counts once: data-parallel shards and replicas by the gradients'
+        placements, tensor-parallel slices summed over TP, TP-replicated ones taken once.
+        Under sequence parallelism the TP-replicated gradients are first summed over TP.
+        """
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        tp = self.layout.tp
+        allreduce_sequence_parallel_grads(params, tp)
+        norm = clip_grad_norm_(params, max_norm, model_parallel_group=tp.group if tp.size > 1 else None,
+                               parameters_for_norm=params_for_grad_norm(params, tp))
+        return float(norm)
 
     @abc.abstractmethod
     def zero_grad(self) -> None:
@@ -71,8 +88,8 @@ class DataParallelBackend(abc.ABC):
 class DDPBackend(DataParallelBackend):
     """``torch.nn.parallel.DistributedDataParallel``: fp32 weights, bf16 compute under autocast."""
 
-    def __init__(self, model: nn.Module, device: torch.device, bf16: bool) -> None:
-        super().__init__(model, device)
+    def __init__(self, model: nn.Module, device: torch.device, layout: ParallelLayout, bf16: bool) -> None:
+        super().__init__(model, device, layout)
         self.bf16 = bf16
 
     def accumulation(self, is_first: bool, is_last: bool) -> AbstractContextManager:
@@ -84,7 +101,7 @@ class DDPBackend(DataParallelBackend):
         return contextlib.nullcontext()
 
     def summed_loss_factor(self) -> float:
-        return float(dist.get_world_size())  # DDP averages over ranks: undo it
+        return float(self.layout.dp_size)  # DDP averages over the data-parallel ranks: undo it
 
     def zero_grad(self) -> None:
         pass  # DDP keeps no gradient state outside .grad (the optimizer's zero_grad clears it)
@@ -125,9 +142,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def build_backend(
-    args: argparse.Namespace, model_provider: Callable[..., nn.Module], device: torch.device
+    args: argparse.Namespace, model_provider: Callable[..., nn.Module], device: torch.device, layout: ParallelLayout
 ) -> DataParallelBackend:
-    """Build with ``model_provider`` (on the meta device if asked), then wrap in FSDP or DDP."""
+    """Build with ``model_provider`` (on the meta device if asked), then wrap in FSDP or DDP over ``layout``."""
     meta = args.use_megatron_fsdp and args.init_model_with_meta_device
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = model_provider(pre_process=True, post_process=True)
@@ -135,11 +152,13 @@ def build_backend(
     print_rank_0(f" > number of parameters on (data-parallel) rank 0: {n_params}")
     if not args.use_megatron_fsdp:
         model.to(device)
-        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        return DDPBackend(wrapped, device, bf16=args.bf16)
+        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                      process_group=layout.dp_group)
+        return DDPBackend(wrapped, device, layout, bf16=args.bf16)
     if args.bf16:
         model.to(torch.bfloat16)  # compute weights; fp32 main weights kept by preserve_fp32_weights
     if not meta:
         model.to(device)
     # Units: the adapter's default, the model's TransformerLayer class (ours or megatron-core's).
-    return FSDPBackend(FullyShardedDataParallel(args, ddp_config_from_args(args), model), device)
+    wrapped = FullyShardedDataParallel(args, ddp_config_from_args(args), model, device_mesh=layout.mesh)
+    return FSDPBackend(wrapped, device, layout)

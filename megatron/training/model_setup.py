@@ -13,9 +13,10 @@ from .tokenizer import build_tokenizer
 
 
 def pad_vocab_size(args: argparse.Namespace) -> int:
-    """The embedding rows: the tokenizer's vocabulary padded to --make-vocab-size-divisible-by, as Megatron."""
+    """The embedding rows: the tokenizer's vocabulary padded to a multiple of --make-vocab-size-divisible-by
+    times --tensor-model-parallel-size, as Megatron (each TP rank holds an equal slice)."""
     vocab = build_tokenizer(args).vocab_size
-    multiple = max(args.make_vocab_size_divisible_by, 1)
+    multiple = max(args.make_vocab_size_divisible_by, 1) * getattr(args, "tensor_model_parallel_size", 1)
     return ((vocab + multiple - 1) // multiple) * multiple
 
 

@@ -120,16 +120,14 @@ class Trainer:
             masked, tokens = masked.detach().double(), tokens.detach().double()
             totals += torch.stack([masked, tokens, masked / tokens.clamp(min=1.0)])
         backend.finish_grad_sync()
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=backend.layout.dp_group)  # TP ranks of one DP rank hold the same losses
         total_sum, total_tokens, total_means = totals.tolist()
         if config.calculate_per_token_loss:
             backend.scale_gradients(1.0 / max(total_tokens, 1.0))
             loss = total_sum / max(total_tokens, 1.0)
         else:
-            loss = total_means / (n * dist.get_world_size())
-        params = [p for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, config.clip_grad if config.clip_grad > 0 else math.inf)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            loss = total_means / (n * backend.layout.dp_size)
+        norm = backend.clip_grad_norm(config.clip_grad if config.clip_grad > 0 else math.inf)
         # loss and norm are global (all-reduced), so every rank takes the same branch
         if not math.isfinite(norm) or not math.isfinite(loss):
             return StepResult(loss, norm, False)
@@ -151,7 +149,7 @@ class Trainer:
                 totals += torch.stack([masked, tokens, masked / tokens.clamp(min=1.0), torch.ones_like(masked)])
         backend.model.train()
         self.state.consumed_valid_samples += config.eval_iters * config.global_batch_size
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=backend.layout.dp_group)
         total_sum, total_tokens, total_means, total_count = totals.tolist()
         if config.calculate_per_token_loss:
             return total_sum / max(total_tokens, 1.0)

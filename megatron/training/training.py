@@ -1,7 +1,8 @@
 """``pretrain``: Megatron-style set-up, then the ``Trainer``'s loop, on megatron_fsdp (or DDP as the baseline).
 
 Set-up order: flags parsed and validated (and derived values added) once, the
-process group, the model wrapped by its data-parallel backend, the optimizer and
+process group, the parallel layout (mesh, TP and DP groups), the model wrapped by
+its data-parallel backend, the optimizer and
 schedule, a checkpoint's state when resuming, the data at the resumed position.
 The flags namespace is not written after that; what the run advances lives in a
 ``RunState`` (``config.py``).
@@ -25,6 +26,7 @@ from .global_vars import set_args
 from .initialize import check_save_dir, initialize_distributed, print_rank_0, set_random_seed
 from .model_setup import build_adamw, pad_vocab_size
 from .optimizer_param_scheduler import OptimizerParamScheduler
+from .parallel_state import build_layout, set_tensor_parallel
 from .trainer import ForwardStep, Trainer, TrainingResult
 
 __all__ = ["ForwardStep", "TrainingResult", "pretrain"]
@@ -49,7 +51,9 @@ def pretrain(
     set_args(args)
     set_random_seed(args.seed)
     config = TrainingConfig.from_args(args)
-    backend = build_backend(args, model_provider, device)
+    layout = build_layout(args, device)
+    set_tensor_parallel(layout.tp)  # model providers read it (get_tensor_parallel), as Megatron's parallel_state
+    backend = build_backend(args, model_provider, device, layout)
     optimizer = backend.wrap_optimizer(build_adamw(args, backend.model))
     scheduler = OptimizerParamScheduler(
         optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
@@ -57,13 +61,12 @@ def pretrain(
     )
     state = checkpointing.load(args, backend.module, optimizer, scheduler) if args.load else RunState()
     checkpointing.check_save_target(args, state.iteration)  # before training, not at the first save
-    rank, dp_size = dist.get_rank(), dist.get_world_size()
     train_iter, valid_iter, _ = build_train_valid_test_data_iterators(
-        args, rank, dp_size, consumed_train_samples=state.consumed_train_samples,
+        args, layout.dp_rank, layout.dp_size, consumed_train_samples=state.consumed_train_samples,
         consumed_valid_samples=state.consumed_valid_samples,
     )
     _check_splits(args, train_iter, valid_iter, state.iteration)
-    writer = _tensorboard_writer(args, rank, dp_size)
+    writer = _tensorboard_writer(args, dist.get_rank(), dist.get_world_size())
     try:
         trainer = Trainer(args, config, backend, optimizer, scheduler, forward_step, state, writer)
         return trainer.train(train_iter, valid_iter)

@@ -142,3 +142,35 @@ def test_log_line_format():
     assert "lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00" in validation_log_lines(5, 2.0)
     # a CPU rate keeps three significant digits instead of printing 0.0; GPU rates keep Megatron's one decimal
     assert [format_tflops(x) for x in (0.0, 0.004123, 0.5, 312.46)] == ["0.0", "0.00412", "0.5", "312.5"]
+
+
+def test_tensor_parallel_sizes_and_derived_data_parallel_size(capsys):
+    args = args_for("--tensor-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "2",
+                    world_size=4)
+    assert args.data_parallel_size == 2 and args.global_batch_size == 4 and args.sequence_parallel
+    args = args_for("--sequence-parallel", world_size=2)  # TP 1: nothing to split, disabled as Megatron does
+    assert not args.sequence_parallel and "--sequence-parallel has no effect" in capsys.readouterr().out
+    from megatron.training.model_setup import pad_vocab_size
+
+    padded = pad_vocab_size(args_for("--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "16",
+                                     "--vocab-size", "40", world_size=2))
+    assert padded == 64  # a multiple of 16 x TP, so every TP rank holds an equal vocabulary slice
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    (["--tensor-model-parallel-size", "3"], 4, "--tensor-model-parallel-size (3) must be >= 1 and divide"),
+    (["--tensor-model-parallel-size", "2", "--num-attention-heads", "3", "--hidden-size", "48"], 2,
+     "--num-attention-heads (3) must be divisible by --tensor-model-parallel-size (2)"),
+    (["--tensor-model-parallel-size", "2", "--num-query-groups", "1"], 2,
+     "--num-query-groups (1) must be divisible"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33",
+      "--max-position-embeddings", "40"], 2, "--seq-length (33) must be divisible"),
+    (["--tensor-model-parallel-size", "2", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--save", "x"],
+     2, "--save/--load with --tensor-model-parallel-size > 1 is not supported yet"),
+    (["--context-parallel-size", "2"], 4, "context parallelism is not supported by this front-end yet"),
+    (["--pipeline-model-parallel-size", "2"], 4, "pipeline parallelism is not supported"),
+])
+def test_model_parallel_rejections(flags, world, message):
+    with pytest.raises(ArgumentError) as error:
+        args_for(*flags, world_size=world)
+    assert message in str(error.value), str(error.value)
