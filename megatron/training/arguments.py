@@ -93,7 +93,9 @@ def _model_parallel_args(p: argparse.ArgumentParser) -> None:
                         "across this many ranks (consecutive ranks form a TP group)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with tensor parallelism: split norms, dropout and residuals along the sequence")
-    g.add_argument("--context-parallel-size", type=int, default=1, help="only 1 is supported")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="context parallelism: the sequence split across this many ranks (load-balanced causal "
+                        "split, exact attention by gathering keys and values); FSDP shards over DP x CP")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="only 1 is supported")
 
 
@@ -171,6 +173,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
     _validate_tensor_parallel_sizes(args)
+    if args.seq_length % (2 * args.context_parallel_size) and args.context_parallel_size > 1:
+        _fail(f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size "
+              f"({2 * args.context_parallel_size}): the load-balanced split cuts the sequence into that many chunks")
     _validate_batch(args)
     _validate_fsdp(args)
     _validate_data_and_checkpoints(args)
@@ -236,14 +241,16 @@ def _validate_numbers(args: argparse.Namespace) -> None:
 
 
 def _validate_model_parallel(args: argparse.Namespace, world_size: int) -> None:
-    """Tensor parallelism divides the world; what is not built (CP, PP) is refused by name."""
-    tp = args.tensor_model_parallel_size
+    """Tensor and context parallelism divide the world; what is not built (PP) is refused by name."""
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     if tp < 1 or world_size % tp:
         _fail(f"--tensor-model-parallel-size ({tp}) must be >= 1 and divide the world size ({world_size})")
-    args.data_parallel_size = world_size // tp
-    if args.context_parallel_size != 1:
-        _fail(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not supported by this "
-              "front-end yet; use --context-parallel-size 1 (tensor and sequence parallelism are)")
+    if cp < 1 or world_size % (tp * cp):
+        _fail(f"--context-parallel-size ({cp}) must be >= 1, and --tensor-model-parallel-size x "
+              f"--context-parallel-size ({tp} x {cp}) must divide the world size ({world_size})")
+    args.data_parallel_size = world_size // (tp * cp)
+    if cp > 1 and args.model_provider == "mcore":
+        _fail("--context-parallel-size > 1 with --model-provider mcore is not supported; use --model-provider gpt")
     if args.pipeline_model_parallel_size != 1:
         _fail(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: pipeline parallelism is not "
               "supported by this front-end; use 1")
@@ -270,9 +277,9 @@ def _validate_tensor_parallel_sizes(args: argparse.Namespace) -> None:
                         ("--ffn-hidden-size", args.ffn_hidden_size)):
         if value % tp:
             _fail(f"{flag} ({value}) must be divisible by --tensor-model-parallel-size ({tp})")
-    if args.sequence_parallel and args.seq_length % tp:
-        _fail(f"--seq-length ({args.seq_length}) must be divisible by --tensor-model-parallel-size ({tp}) with "
-              "--sequence-parallel")
+    if args.sequence_parallel and (args.seq_length // args.context_parallel_size) % tp:
+        _fail(f"--seq-length ({args.seq_length}) / --context-parallel-size ({args.context_parallel_size}) must be "
+              f"divisible by --tensor-model-parallel-size ({tp}) with --sequence-parallel")
 
 
 def _validate_batch(args: argparse.Namespace) -> None:

@@ -101,7 +101,7 @@ class DDPBackend(DataParallelBackend):
         return contextlib.nullcontext()
 
     def summed_loss_factor(self) -> float:
-        return float(self.layout.dp_size)  # DDP averages over the data-parallel ranks: undo it
+        return float(self.layout.grad_group_size)  # DDP averages over the ranks it reduces over: undo it
 
     def zero_grad(self) -> None:
         pass  # DDP keeps no gradient state outside .grad (the optimizer's zero_grad clears it)
@@ -153,7 +153,7 @@ def build_backend(
     if not args.use_megatron_fsdp:
         model.to(device)
         wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                      process_group=layout.dp_group)
+                      process_group=layout.grad_group)
         return DDPBackend(wrapped, device, layout, bf16=args.bf16)
     if args.bf16:
         model.to(torch.bfloat16)  # compute weights; fp32 main weights kept by preserve_fp32_weights

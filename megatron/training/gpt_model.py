@@ -33,11 +33,13 @@ from torch import nn
 
 from megatron_fsdp.parallel import (
     ColumnParallelLinear,
+    ContextParallel,
     RowParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from megatron_fsdp.parallel.context import causal_mask, gather_sequence
 from megatron_fsdp.parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -148,8 +150,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class SelfAttention(nn.Module):
     """Causal multi-head attention with grouped query heads (``num_query_groups``)."""
 
-    def __init__(self, config: GPTConfig, output_std: float, tp: TensorParallel) -> None:
+    def __init__(self, config: GPTConfig, output_std: float, tp: TensorParallel, cp: ContextParallel) -> None:
         super().__init__()
+        self.cp = cp
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.heads = tp.divide(config.num_attention_heads, "--num-attention-heads")  # this TP rank's
         self.groups = tp.divide(config.query_groups, "--num-query-groups")
@@ -159,7 +162,9 @@ class SelfAttention(nn.Module):
                                         segments=(q_size, kv_size, kv_size))
         self.proj = RowParallelLinear(config.hidden_size, config.hidden_size, output_std, tp)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: with context parallelism, which of the gathered keys each local query sees."""
         qkv = self.qkv(x)  # the whole sequence (gathered under sequence parallelism), this rank's heads
         batch, seq, _ = qkv.shape
         q, k, v = qkv.split(
@@ -170,11 +175,12 @@ class SelfAttention(nn.Module):
         v = v.view(batch, seq, self.groups, self.head_dim).transpose(1, 2)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        k, v = gather_sequence(k, self.cp, dim=2), gather_sequence(v, self.cp, dim=2)  # every CP rank's keys
         if self.groups != self.heads:
             repeat = self.heads // self.groups
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
         )
         return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -204,17 +210,18 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm transformer layer: the default FSDP unit."""
 
-    def __init__(self, config: GPTConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: GPTConfig, tp: TensorParallel, cp: ContextParallel) -> None:
         super().__init__()
         output_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         self.input_norm = _norm(config, tp)
-        self.attention = SelfAttention(config, output_std, tp)
+        self.attention = SelfAttention(config, output_std, tp, cp)
         self.pre_mlp_norm = _norm(config, tp)
         self.mlp = MLP(config, output_std, tp)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.input_norm(x), rotary))
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.input_norm(x), rotary, mask))
         return x + self.dropout(self.mlp(self.pre_mlp_norm(x)))
 
 
@@ -223,12 +230,16 @@ class GPTModel(nn.Module):
 
     ``tp``: the tensor-parallel group (default: none). Under sequence parallelism the
     residual stream between layers holds this TP rank's part of the sequence.
+    ``cp``: the context-parallel group (default: none); ``forward`` then takes this CP
+    rank's tokens (``ContextParallel.split`` of the sequence) and returns their losses.
     """
 
-    def __init__(self, config: GPTConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: GPTConfig, tp: TensorParallel | None = None, cp: ContextParallel | None = None
+                 ) -> None:
         super().__init__()
         self.config = config
         self.tp = tp = TensorParallel.single() if tp is None else tp
+        self.cp = cp = ContextParallel.single() if cp is None else cp
         std = config.init_method_std
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, std, tp)
         self.position_embeddings = (
@@ -237,7 +248,7 @@ class GPTModel(nn.Module):
             else None
         )
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
-        self.layers = nn.ModuleList([TransformerLayer(config, tp) for _ in range(config.num_layers)])
+        self.layers = nn.ModuleList([TransformerLayer(config, tp, cp) for _ in range(config.num_layers)])
         self.final_norm = _norm(config, tp)
         self.output_layer = (
             ColumnParallelLinear(config.hidden_size, config.vocab_size, std, tp, bias=False)
@@ -252,25 +263,28 @@ class GPTModel(nn.Module):
     def forward(
         self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None
     ) -> torch.Tensor:
-        seq = tokens.shape[1]
+        seq = tokens.shape[1] * self.cp.size  # the whole sequence (this CP rank holds 1/C of it)
         if seq > self.config.max_position_embeddings:
             raise ValueError(
                 f"sequence length {seq} exceeds --max-position-embeddings {self.config.max_position_embeddings}"
             )
+        indices = self.cp.sequence_indices(seq, device=tokens.device)  # where this rank's tokens sit
+        mask = causal_mask(self.cp, tokens.shape[1], tokens.device) if self.cp.size > 1 else None
         x = self.word_embeddings(tokens)
         rotary = None
         if self.position_embeddings is not None:
             if position_ids is None:
-                position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0)
+                position_ids = indices.unsqueeze(0)
             x = x + self.position_embeddings(position_ids)
         else:
             head_dim = self.config.hidden_size // self.config.num_attention_heads
-            rotary = rotary_tables(seq, head_dim, self.config.rotary_base, tokens.device)
+            cos, sin = rotary_tables(seq, head_dim, self.config.rotary_base, tokens.device)
+            rotary = (cos, sin) if self.cp.size == 1 else (cos[indices], sin[indices])
         if self.tp.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp)
         x = self.embedding_dropout(x)
         for layer in self.layers:
-            x = layer(x, rotary)
+            x = layer(x, rotary, mask)
         x = self.final_norm(x)
         if self.output_layer is not None:
             logits = self.output_layer(x)  # this rank's vocabulary slice

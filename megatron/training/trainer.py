@@ -93,7 +93,18 @@ class Trainer:
         self.result = TrainingResult(iteration=state.iteration)
 
     def _batch(self, data_iterator: Iterator[dict]) -> dict:
-        return {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
+        """The next micro-batch on the device; with context parallelism this CP rank's tokens of it."""
+        cp = self.backend.layout.cp
+        return {k: cp.split(v.to(self.device, non_blocking=True)) for k, v in next(data_iterator).items()}
+
+    def _micro_batch_totals(self, masked: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch's masked loss sum and token count over its whole sequence (summed over CP ranks)."""
+        cp = self.backend.layout.cp
+        if cp.size == 1:
+            return masked.detach(), tokens.detach()
+        both = torch.stack([masked.detach(), tokens.detach()])
+        dist.all_reduce(both, group=cp.group)
+        return both[0], both[1]
 
     def train_step(self, data_iterator: Iterator[dict]) -> StepResult:
         """One global batch: forward/backward over the micro-batches, clip, step."""
@@ -111,13 +122,15 @@ class Trainer:
                 with backend.autocast():
                     losses, mask = self.forward_step(batch, model)
                 masked = (losses.float() * mask).sum()
-                tokens = mask.sum()
+                masked_all, tokens_all = self._micro_batch_totals(masked, mask.sum())
                 if config.calculate_per_token_loss:
                     scaled = masked * backend.summed_loss_factor()  # summed gradients
                 else:
-                    scaled = masked / tokens.clamp(min=1) / n
+                    # Each CP rank's share of the micro-batch mean; the gradient reduction averages over
+                    # the CP ranks too, where their shares must be summed: hence x CP size.
+                    scaled = masked / tokens_all.clamp(min=1) / n * backend.layout.cp.size
                 scaled.backward()
-            masked, tokens = masked.detach().double(), tokens.detach().double()
+            masked, tokens = masked_all.double(), tokens_all.double()
             totals += torch.stack([masked, tokens, masked / tokens.clamp(min=1.0)])
         backend.finish_grad_sync()
         dist.all_reduce(totals, group=backend.layout.dp_group)  # TP ranks of one DP rank hold the same losses
@@ -145,7 +158,8 @@ class Trainer:
                 batch = self._batch(data_iterator)
                 with backend.autocast():
                     losses, mask = self.forward_step(batch, backend.model)
-                masked, tokens = (losses.float() * mask).sum().double(), mask.sum().double()
+                masked, tokens = self._micro_batch_totals((losses.float() * mask).sum(), mask.sum())
+                masked, tokens = masked.double(), tokens.double()
                 totals += torch.stack([masked, tokens, masked / tokens.clamp(min=1.0), torch.ones_like(masked)])
         backend.model.train()
         self.state.consumed_valid_samples += config.eval_iters * config.global_batch_size

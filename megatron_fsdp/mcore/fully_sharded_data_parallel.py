@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from megatron_fsdp.api.config import check_adapter_options
 from megatron_fsdp.api.fully_shard_model import fully_shard_model
 from megatron_fsdp.api.megatron_fsdp import TransparentWrapper
+from megatron_fsdp.sharding.mesh import _is_flattened
 
 
 def _base_class() -> type:
@@ -62,11 +63,21 @@ def _data_parallel_mesh(ddp_config: Any, device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, (instances, world // instances), mesh_dim_names=("dp_outer", "dp_shard"))
 
 
+def _shard_dim(mesh: DeviceMesh) -> str:
+    """FSDP's shard dimension: ``dp_shard_cp`` (dp_shard x cp, flattened) when the mesh has one."""
+    return "dp_shard_cp" if _is_flattened(mesh, "dp_shard_cp") else "dp_shard"
+
+
 def _check_mesh(mesh: DeviceMesh, ddp_config: Any) -> DeviceMesh:
-    """A caller's mesh (e.g. ``(dp_shard, tp)`` with tensor parallelism) must name its data-parallel dims."""
+    """A caller's mesh (e.g. ``(dp_shard, cp, tp)`` with model parallelism) must name its data-parallel dims."""
     names = tuple(mesh.mesh_dim_names or ())
     if "dp_shard" not in names:
         raise ValueError(f"FullyShardedDataParallel(device_mesh=...) needs a 'dp_shard' dimension; it has {names}")
+    if "cp" in names and mesh.size(names.index("cp")) > 1 and not _is_flattened(mesh, "dp_shard_cp"):
+        raise ValueError(
+            "device_mesh has a 'cp' dimension: flatten it with dp_shard first "
+            "(device_mesh[('dp_shard', 'cp')]._flatten('dp_shard_cp')), FSDP shards over both"
+        )
     instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
     outer = mesh.size(names.index("dp_outer")) if "dp_outer" in names else 1
     if outer != instances:
@@ -122,7 +133,7 @@ class FullyShardedDataParallel(TransparentWrapper, _BASE):
             module,
             fsdp_unit_modules=units,
             device_mesh=mesh,
-            dp_shard_dim="dp_shard",
+            dp_shard_dim=_shard_dim(mesh),
             dp_outer_dim="dp_outer" if hsdp else None,
             tp_dim="tp" if "tp" in (mesh.mesh_dim_names or ()) else None,
             zero_dp_strategy=ddp_config.data_parallel_sharding_strategy,

@@ -1,9 +1,10 @@
-"""Megatron-style tensor and sequence parallelism (megatron_fsdp.parallel) against the unsplit model.
+"""Megatron-style tensor, sequence and context parallelism (megatron_fsdp.parallel) against the unsplit model.
 
-At 2 ranks the TP group is the world. Each check builds the same GPT twice from one
-seed, unsplit and split across TP, and compares losses and gradients (a TP rank's
-gradient must be its slice of the unsplit gradient). fp32; tolerance 1e-5 relative to
-the largest value (partial products are summed in another order).
+Each check builds the same GPT twice from one seed, unsplit and split across a
+``(cp, tp)`` mesh of the ranks, and compares losses and gradients: a TP rank's
+gradient must be its slice of the unsplit gradient; CP ranks' gradients summed must
+be the unsplit one. fp32; tolerance 1e-5 relative to the largest value (partial
+products and softmax terms are summed in another order).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 from megatron.training.gpt_model import GPTConfig, GPTModel
 from megatron_fsdp.optim.grad_norm import get_grad_norm
 from megatron_fsdp.parallel import (
+    ContextParallel,
     TensorParallel,
     allreduce_sequence_parallel_grads,
     params_for_grad_norm,
@@ -55,38 +58,51 @@ def _segments(name: str, config: GPTConfig) -> tuple[int, ...] | None:
     return None
 
 
-def _pair(variant: str, sequence_parallel: bool) -> tuple[GPTConfig, GPTModel, GPTModel, TensorParallel]:
+def _groups(tp_size: int, cp_size: int, sequence_parallel: bool) -> tuple[TensorParallel, ContextParallel]:
+    mesh = init_device_mesh("cpu", (cp_size, tp_size), mesh_dim_names=("cp", "tp"))
+    return (TensorParallel.from_group(mesh.get_group("tp"), sequence_parallel),
+            ContextParallel.from_group(mesh.get_group("cp")))
+
+
+def _pair(variant: str, sequence_parallel: bool, tp_size: int | None = None, cp_size: int = 1
+          ) -> tuple[GPTConfig, GPTModel, GPTModel, TensorParallel, ContextParallel]:
     config = _config(**VARIANTS[variant])
-    tp = TensorParallel.from_group(dist.group.WORLD, sequence_parallel)
+    tp_size = dist.get_world_size() // cp_size if tp_size is None else tp_size
+    tp, cp = _groups(tp_size, cp_size, sequence_parallel)
     torch.manual_seed(7)
     full = GPTModel(config)
     torch.manual_seed(7)
-    split = GPTModel(config, tp)
-    return config, full, split, tp
+    split = GPTModel(config, tp, cp)
+    return config, full, split, tp, cp
 
 
-def _compare(variant: str, sequence_parallel: bool) -> None:
-    config, full, split, tp = _pair(variant, sequence_parallel)
+def _compare(variant: str, sequence_parallel: bool, tp_size: int | None = None, cp_size: int = 1) -> None:
+    config, full, split, tp, cp = _pair(variant, sequence_parallel, tp_size, cp_size)
+    what = f"{variant} tp={tp.size} cp={cp.size} sp={tp.sequence_parallel}"
     g = torch.Generator().manual_seed(3)  # the same batch on every rank (one data-parallel rank)
     tokens = torch.randint(0, config.vocab_size, (2, 9), generator=g)
     full_losses = full(tokens[:, :-1], labels=tokens[:, 1:])
-    split_losses = split(tokens[:, :-1], labels=tokens[:, 1:])
-    _close(split_losses, full_losses, f"{variant} sp={sequence_parallel}: per-token losses")
+    split_losses = split(cp.split(tokens[:, :-1]), labels=cp.split(tokens[:, 1:]))  # this CP rank's tokens
+    _close(split_losses, cp.split(full_losses), f"{what}: per-token losses")
     full_losses.mean().backward()
-    split_losses.mean().backward()
+    (split_losses.sum() / full_losses.numel()).backward()  # this CP rank's share of the mean
+    for param in split.parameters():  # CP ranks' shares summed (what the gradient reduction over CP does)
+        if cp.size > 1:
+            dist.all_reduce(param.grad, group=cp.group)
     allreduce_sequence_parallel_grads(list(split.parameters()), tp)
     full_params = dict(full.named_parameters())
     for name, param in split.named_parameters():
         reference = full_params[name]
         if getattr(param, "tensor_model_parallel", False):
             dim, segments = param.partition_dim, _segments(name, config)
-            _close(param.detach(), take_partition(reference.detach(), tp, dim, segments), f"{name} initial slice")
-            _close(param.grad, take_partition(reference.grad, tp, dim, segments), f"{name} gradient slice")
+            _close(param.detach(), take_partition(reference.detach(), tp, dim, segments), f"{what}: {name} slice")
+            _close(param.grad, take_partition(reference.grad, tp, dim, segments), f"{what}: {name} gradient slice")
         else:
-            _close(param.detach(), reference.detach(), f"{name} (TP-replicated) weight")
-            _close(param.grad, reference.grad, f"{name} (TP-replicated) gradient")
-    norm = get_grad_norm(params_for_grad_norm(list(split.parameters()), tp), model_parallel_group=tp.group)
-    _close(norm, get_grad_norm(list(full.parameters())), f"{variant}: global gradient norm counted once")
+            _close(param.detach(), reference.detach(), f"{what}: {name} (TP-replicated) weight")
+            _close(param.grad, reference.grad, f"{what}: {name} (TP-replicated) gradient")
+    group = tp.group if tp.size > 1 else None
+    norm = get_grad_norm(params_for_grad_norm(list(split.parameters()), tp), model_parallel_group=group)
+    _close(norm, get_grad_norm(list(full.parameters())), f"{what}: global gradient norm counted once")
 
 
 @check(SUITE, world_sizes=(2,))
@@ -102,8 +118,34 @@ def sp_gpt_matches_unsplit_model():
 
 
 @check(SUITE, world_sizes=(2,))
+def cp_gpt_matches_unsplit_model():
+    for variant in VARIANTS:
+        _compare(variant, sequence_parallel=False, tp_size=1, cp_size=2)
+
+
+@check(SUITE, world_sizes=(4,))
+def tp2_cp2_sp_gpt_matches_unsplit_model():
+    for variant in VARIANTS:
+        _compare(variant, sequence_parallel=True, tp_size=2, cp_size=2)
+
+
+@check(SUITE, world_sizes=(2,))
+def context_parallel_split_is_load_balanced():
+    cp = _groups(1, 2, False)[1]
+    assert cp.sequence_indices(8, rank=0).tolist() == [0, 1, 6, 7]  # chunks 0 and 3 of 4
+    assert cp.sequence_indices(8, rank=1).tolist() == [2, 3, 4, 5]
+    assert cp.gathered_indices(8).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    try:
+        cp.sequence_indices(6)
+    except ValueError as error:
+        assert "divisible by 2 x --context-parallel-size (4)" in str(error), error
+    else:
+        raise AssertionError("a sequence of 6 split over 2 CP ranks: no error")
+
+
+@check(SUITE, world_sizes=(2,))
 def replicated_parameters_carry_megatron_attributes():
-    _, _, split, _ = _pair("plain", sequence_parallel=True)
+    _, _, split, _, _ = _pair("plain", sequence_parallel=True)
     attrs = {name: (getattr(p, "tensor_model_parallel", None), getattr(p, "partition_dim", None),
                     getattr(p, "sequence_parallel", None)) for name, p in split.named_parameters()}
     assert attrs["layers.0.attention.qkv.weight"][:2] == (True, 0)

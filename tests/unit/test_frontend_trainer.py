@@ -14,14 +14,16 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from megatron.training import backends, trainer
+from megatron.training import trainer
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.backends import DataParallelBackend, DDPBackend, FSDPBackend
 from megatron.training.config import FrozenArgs, RunState, TrainingConfig, freeze_args
 from megatron.training.gpt_model import GPTConfig, GPTModel
 from megatron.training.model_setup import build_adamw
 from megatron.training.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.training.parallel_state import ParallelLayout
 from megatron.training.trainer import Trainer
+from megatron_fsdp.parallel import ContextParallel, TensorParallel
 
 FLAGS = ["--mock-data", "--vocab-size", "50", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads",
          "2", "--seq-length", "8", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
@@ -66,7 +68,7 @@ def test_the_loop_knows_no_wrapper_class():
     assert not {m for m in imported if m.startswith(("megatron_fsdp", "torch.nn.parallel"))}, imported
     for backend in (DDPBackend, FSDPBackend):  # every abstract method implemented
         assert not backend.__abstractmethods__, backend
-    assert backends.DataParallelBackend.__abstractmethods__ == {
+    assert DataParallelBackend.__abstractmethods__ == {
         "accumulation", "zero_grad", "finish_grad_sync", "scale_gradients"}
 
 
@@ -74,7 +76,9 @@ class RecordingBackend(DataParallelBackend):
     """A third backend (the plain module at one rank) that records what the loop asks of it."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model, torch.device("cpu"))
+        layout = ParallelLayout(None, TensorParallel.single(), ContextParallel.single(), dist.group.WORLD,
+                                dist.group.WORLD, dp_rank=0, dp_size=1)
+        super().__init__(model, torch.device("cpu"), layout)
         self.calls: list[tuple] = []
 
     def accumulation(self, is_first: bool, is_last: bool):
