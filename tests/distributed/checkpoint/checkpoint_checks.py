@@ -308,23 +308,17 @@ def dcp_save_writes_each_ranks_rows_at_their_global_offsets() -> None:
 
 
 # -- 2. resharding ----------------------------------------------------------------
-@check(SUITE)
-def reshard_round_trip_same_layout_is_exact() -> None:
+# saved on world_size // a ranks, loaded on world_size // b ranks
+RESHARD_RANKS = {"same": (1, 1), "fewer": (1, 2), "more": (2, 1)}
+
+
+@check(SUITE, params={"ranks": list(RESHARD_RANKS)})
+def reshard_zero3(ranks: str) -> None:
+    """ZeRO-3 saved on n (or n/2) ranks loads bit for bit on the same, fewer or more ranks and trains on."""
     n = dist.get_world_size()
-    setup = Setup(f"zero3@{n}", sub_mesh(n))
-    run_reshard(setup, setup)
-
-
-@check(SUITE)
-def reshard_fewer_ranks() -> None:
-    n = dist.get_world_size()
-    run_reshard(Setup(f"zero3@{n}", sub_mesh(n)), Setup(f"zero3@{n // 2}", sub_mesh(n // 2)))
-
-
-@check(SUITE)
-def reshard_more_ranks() -> None:
-    n = dist.get_world_size()
-    run_reshard(Setup(f"zero3@{n // 2}", sub_mesh(n // 2)), Setup(f"zero3@{n}", sub_mesh(n)))
+    save_on, load_on = (n // d for d in RESHARD_RANKS[ranks])
+    save = Setup(f"zero3@{save_on}", sub_mesh(save_on))
+    run_reshard(save, save if ranks == "same" else Setup(f"zero3@{load_on}", sub_mesh(load_on)))
 
 
 @check(SUITE)

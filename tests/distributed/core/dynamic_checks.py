@@ -118,22 +118,12 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, world: int, what: str)
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6, msg=what)
 
 
-@check(SUITE)
-def experts_idle_on_some_ranks_match_ddp() -> None:
+@check(SUITE, params={"routing": ["none"], "optimizer": ["adamw"]})
+@check(SUITE, params={"routing": ["skip", "twice"]})
+def routed_experts_match_ddp(routing: str, optimizer: str = "sgd") -> None:
+    """Gradients (None where DDP's are) and weights as DDP's, with every strategy; ``routing``: see route()."""
     for strategy in STRATEGIES:
-        train_both("skip", strategy)
-
-
-@check(SUITE)
-def expert_idle_on_every_rank_keeps_none_grads() -> None:
-    for strategy in STRATEGIES:
-        train_both("none", strategy, optimizer="adamw")
-
-
-@check(SUITE)
-def expert_twice_on_one_rank_once_on_another_matches_ddp() -> None:
-    for strategy in STRATEGIES:
-        train_both("twice", strategy)
+        train_both(routing, strategy, optimizer=optimizer)
 
 
 @check(SUITE, world_sizes=(4,))

@@ -95,44 +95,13 @@ def run_parity(strategy: str, optimizer: str = "adamw", **kwargs) -> None:
         print(f"parity {strategy}/{optimizer} n={n}: worst per-tensor relative L2 error vs single-process {worst:.2e}")
 
 
-@check(SUITE)
-def parity_no_shard() -> None:
-    run_parity("no_shard")
-
-
-@check(SUITE)
-def parity_optim() -> None:
-    run_parity("optim")
-
-
-@check(SUITE)
-def parity_optim_grads() -> None:
-    run_parity("optim_grads")
-
-
-@check(SUITE)
-def parity_optim_grads_params() -> None:
-    run_parity("optim_grads_params")
-
-
-@check(SUITE)
-def parity_zero3_keep_weights_after_forward() -> None:
-    run_parity("optim_grads_params", reshard_after_forward=False)
-
-
-@check(SUITE)
-def parity_fused_adamw() -> None:
-    run_parity("optim_grads_params", optimizer="adamw_fused")
-
-
-@check(SUITE, world_sizes=(2,))
-def parity_single_tensor_adamw() -> None:
-    run_parity("optim_grads", optimizer="adamw_single")
-
-
-@check(SUITE)
-def parity_sgd_momentum() -> None:
-    run_parity("optim_grads_params", optimizer="sgd")
+@check(SUITE, world_sizes=(2,), params={"strategy": ["optim_grads"], "optimizer": ["adamw_single"]})
+@check(SUITE, params={"strategy": ["optim_grads_params"], "optimizer": ["adamw_fused", "sgd"]})
+@check(SUITE, params={"strategy": ["optim_grads_params"], "reshard_after_forward": [False]})
+@check(SUITE, params={"strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"]})
+def parity(strategy: str, optimizer: str = "adamw", **fully_shard_options: object) -> None:
+    """Trains like DDP and like one process with this strategy, optimizer and options (tolerances: run_parity)."""
+    run_parity(strategy, optimizer=optimizer, **fully_shard_options)
 
 
 @check(SUITE)
