@@ -3,6 +3,14 @@
 Launching processes is the slow part of a distributed test, so each test file
 spawns one group per world size and runs all its checks in it; pytest then
 reports every check separately from the collected results.
+
+- ``@check(SUITE, world_sizes, params)`` registers a function (one check per
+  combination of ``params``); ``pytest_suite(module)`` is the test file's shim.
+- Every rank writes ``{name: None or traceback}`` after each check; a check fails
+  if it failed on any rank, and a rank that died fails every check it did not
+  report (``SuiteRun.failures``). Nothing is retried.
+
+tests/README.md says how to add a check.
 """
 
 from __future__ import annotations
@@ -76,9 +84,10 @@ def check(suite: str, world_sizes: tuple[int, ...] = (2, 4), params: Params | No
     """
 
     def register(fn: Callable[..., None]) -> Callable[..., None]:
+        found = variants(fn, params)
         for n in world_sizes:
             registered = CHECKS.setdefault(f"{suite}@{n}", [])
-            for name, variant in variants(fn, params):
+            for name, variant in found:
                 if name in (known for known, _ in registered):
                     # results are keyed by name: a second check of the same name would hide the first's outcome
                     raise ValueError(f"suite {suite!r} already has a check named {name!r} at world size {n}")

@@ -55,6 +55,7 @@ def test_a_check_can_be_registered_twice_with_other_params_and_world_sizes():
         ({"strategy": [None]}, TypeError, "values must be str, int, float or bool"),
         ({"stratgy": ["optim"]}, TypeError, "params ['stratgy'] do not fit its arguments"),
     ],
+    ids=["no_values", "a_string", "a_none_value", "an_unknown_argument"],
 )
 def test_bad_params_are_refused_at_registration(params, error, message):
     with pytest.raises(error, match=message.replace("[", r"\[").replace("]", r"\]")):
