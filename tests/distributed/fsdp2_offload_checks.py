@@ -12,6 +12,9 @@ backward gathers.
 from __future__ import annotations
 
 import copy
+import json
+import os
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -258,3 +261,43 @@ def reshard_after_forward_int_edges() -> None:
         assert "fully_shard(module, reshard_after_forward=N)" in str(exc), exc
     else:
         raise AssertionError("set_reshard_after_forward(int) must raise")
+
+
+# -- CUDA (run by test_fsdp2_offload.py only where a GPU is present) -------------------
+def cuda_offload_worker(rank: int, port: int, out_dir: str) -> None:
+    """One NCCL rank on a GPU: offloaded main weights, gradients and optimizer state are pinned host
+    tensors, the module computes on the GPU, and training matches no offload (the optimizer runs on
+    the CPU there, on the GPU without offload: rtol 1e-6)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=rank, world_size=1)
+    result: dict[str, str | None] = {"error": None}
+    try:
+        torch.manual_seed(0)
+        base = Net().cuda()
+        plain = shard(base)
+        offloaded = shard(base, offload_policy=CPUOffloadPolicy(pin_memory=True))
+        opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (offloaded, plain)]
+        for step in range(STEPS):
+            losses = []
+            for model, opt in zip((offloaded, plain), opts):
+                opt.zero_grad()
+                loss = model(batch(step).cuda()).square().mean()
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-7)
+        for unit in units_of(offloaded):
+            for group in unit.groups:
+                assert group.shard.device.type == "cpu" and group.shard.is_pinned()
+                assert group.compute_shard is None or group.compute_shard.device.type == "cuda"
+                assert group.uploads > 0 and group.downloads > 0
+        for p, q in zip(offloaded.parameters(), plain.parameters()):
+            assert p.to_local().device.type == "cpu" and p.grad.to_local().is_pinned()
+            torch.testing.assert_close(p.to_local(), q.to_local().cpu(), rtol=1e-6, atol=1e-7)
+    except Exception:  # reported to the test, which fails with it
+        result["error"] = traceback.format_exc()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.destroy_process_group()
