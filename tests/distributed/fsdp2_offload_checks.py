@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
 
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp.core.lookup import units_of
@@ -301,3 +302,30 @@ def cuda_offload_worker(rank: int, port: int, out_dir: str) -> None:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
         dist.destroy_process_group()
+
+
+@check(SUITE, world_sizes=(2,))
+def cpu_offload_with_clipping_and_state_dict() -> None:
+    """clip_grad_norm_ and a state_dict round trip on offloaded (host) shards: as without offload."""
+    torch.manual_seed(0)
+    base = Net()
+    models = [shard(base, offload_policy=CPUOffloadPolicy()), shard(base)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    for step in range(STEPS):
+        norms = []
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            model(batch(step)).square().mean().backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+            opt.step()
+        norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+        assert torch.equal(norms[0], norms[1]), norms
+    state = models[0].state_dict()
+    torch.manual_seed(1)
+    fresh = shard(Net(), offload_policy=CPUOffloadPolicy())
+    fresh.load_state_dict(state)
+    for (name, p), q in zip(fresh.named_parameters(), models[1].parameters()):
+        assert p.to_local().device.type == "cpu"
+        assert torch.equal(p.to_local(), q.to_local()), name
+    x = batch(STEPS)
+    assert torch.equal(fresh(x), models[1](x))
