@@ -61,6 +61,12 @@ class RootState:
             for unit in self.units:
                 unit.mark_weights_stale()
         self._forward_without_backward = False
+        # reshard_after_forward=N: this forward's gathers store the post-forward shard,
+        # decided here once for every rank alike (core/post_forward_shard.py).
+        keep = torch.is_grad_enabled()
+        for unit in self.units:
+            for group in unit.groups:
+                group.keep_post_forward = keep and unit.reshard_after_forward and unit is not self.root
         self.schedule.begin_forward()
 
     def record_forward(self, unit: FSDPUnit) -> None:
@@ -73,6 +79,9 @@ class RootState:
     def end_forward(self) -> None:
         """The root's forward finished: close the phase with every rank (core/schedule.py)."""
         self.schedule.end_forward([unit.forward_grad_calls > 0 for unit in self.units])
+        for unit in self.units:
+            for group in unit.groups:
+                group.keep_post_forward = False
         self._forward_without_backward = True
         if not torch.is_grad_enabled():
             # No backward follows (evaluation): the modules hold their sharded

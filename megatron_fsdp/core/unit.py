@@ -174,7 +174,7 @@ class FSDPUnit:
     @property
     def device(self) -> torch.device | None:
         """Where this unit's parameters live (for NVTX ranges); None without parameters."""
-        return self.groups[0].shard.device if self.groups else None
+        return self.groups[0].device if self.groups else None
 
     def release_before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         """``state_dict`` pre-hook: an idle unit saves its sharded main weights, not gathered copies.

@@ -370,8 +370,8 @@ def mesh_without_this_rank_raises() -> None:
 
 @check(SUITE, world_sizes=(2,))
 def fully_shard_arguments_are_checked() -> None:
-    expect(NotImplementedError, ("reshard_after_forward=2", "True", "False"),
-           fully_shard, Block(), reshard_after_forward=2)
+    expect(ValueError, ("reshard_after_forward=3", "factor of the dp_shard size 2", "True or False"),
+           fully_shard, Block(), reshard_after_forward=3)
     expect(TypeError, ("reshard_after_forward must be True or False", "'yes'"),
            fully_shard, Block(), reshard_after_forward="yes")
     expect(TypeError, ("reshard_after_forward",), fully_shard, Block(), reshard_after_forward=None)
