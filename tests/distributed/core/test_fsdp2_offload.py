@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.distributed import fsdp2_offload_checks
+from tests.distributed.core import fsdp2_offload_checks
 from tests.distributed.harness import pytest_suite, spawn_and_collect
 
 results, test_fsdp2_offload = pytest_suite(fsdp2_offload_checks)
