@@ -40,9 +40,9 @@ from megatron_fsdp.core.grad_scaling import GradScaling
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.core.offload import download, host_empty, upload
 from megatron_fsdp.core.post_forward_shard import PostForwardMesh
-from megatron_fsdp.memory import grad_buffers
 from megatron_fsdp.memory.allocator import BufferPool
 from megatron_fsdp.memory.buffer import FlatBuffer
+from megatron_fsdp.memory.grad_buffers import GradSpares
 from megatron_fsdp.sharding.layout import FlatLayout, build_flat_layout
 from megatron_fsdp.sharding.mesh import DataParallelMesh
 from megatron_fsdp.sharding.outer_shard import gather_compute_shard, outer_shard_geometry
@@ -133,6 +133,7 @@ class ParamGroup:
         *,
         comm: CommConfig = DEFAULT_COMM,
         pool: BufferPool | None = None,
+        spares: GradSpares | None = None,
         offload: CPUOffloadPolicy | None = None,
         post_forward: PostForwardMesh | None = None,
     ) -> None:
@@ -145,6 +146,7 @@ class ParamGroup:
         self.uploads = 0  # host -> device copies of the shard (CPU offload), for tests and accounting
         self.downloads = 0  # device -> host copies of reduced gradients (CPU offload)
         self.comm = comm  # the root's: how its collectives run and where they are counted (``use``)
+        self.spares = GradSpares() if spares is None else spares  # the root's (``use``)
         self.dp = dp
         self.plan = plan
         self.process_group: dist.ProcessGroup = dp.shard_group
@@ -342,9 +344,10 @@ class ParamGroup:
                     f"{tuple(ref.param.shape)}, now {tuple(sharded.shape)}"
                 )
 
-    def use(self, comm: CommConfig, pool: BufferPool) -> None:
-        """Run with the root's collectives config and buffer pool (an enclosing ``fully_shard``)."""
+    def use(self, comm: CommConfig, pool: BufferPool, spares: GradSpares) -> None:
+        """Run with the root's collectives config, buffer pool and gradient spares (an enclosing ``fully_shard``)."""
         self.comm = comm
+        self.spares = spares
         if self.unsharded is not None and self.unsharded.pool is not pool:
             if self.unsharded.allocated:
                 raise RuntimeError("ParamGroup.use: the unsharded weights are allocated; reshard first")
@@ -492,7 +495,7 @@ class ParamGroup:
         if not self._grad_indices:
             return
         if self.grad_buffer is None:
-            self.grad_buffer = grad_buffers.zeros(self.layout.total_numel, self.grad_dtype, self.device)
+            self.grad_buffer = self.spares.zeros(self.layout.total_numel, self.grad_dtype, self.device)
         for i in self._grad_indices:
             slot = self.layout.slots[i]
             self.unsharded_params[i].main_grad = self.grad_buffer.narrow(0, slot.offset, slot.numel).view(slot.shape)
@@ -547,7 +550,7 @@ class ParamGroup:
         if self.grad_buffer is None:
             if not zeros_if_none:
                 return None
-            self.grad_buffer = grad_buffers.zeros(self.layout.total_numel, self.grad_dtype, self.device)
+            self.grad_buffer = self.spares.zeros(self.layout.total_numel, self.grad_dtype, self.device)
         buffer, self.grad_buffer = self.grad_buffer, None
         self._drop_main_grads()
         self.reduced_this_backward = True

@@ -180,7 +180,8 @@ def shard_module(
     unit.groups = [
         ParamGroup(
             group, dp_mesh, STRATEGIES["no_shard"] if replicated else plan, device, unit.on_grads_ready, mp_policy,
-            comm=unit.comm, pool=unit.pool, offload=offload, post_forward=None if replicated else post_forward,
+            comm=unit.comm, pool=unit.pool, spares=unit.spares, offload=offload,
+            post_forward=None if replicated else post_forward,
         )
         for (_, _, replicated), group in by_kind.items()
     ]

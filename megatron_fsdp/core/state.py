@@ -18,7 +18,6 @@ from torch.autograd import Variable
 
 from megatron_fsdp.comm.profiling import REDUCE_WAIT, trace_range
 from megatron_fsdp.core.schedule import CollectiveSchedule
-from megatron_fsdp.memory import grad_buffers
 
 if TYPE_CHECKING:
     from megatron_fsdp.core.param_group import PendingReduce
@@ -117,7 +116,7 @@ class RootState:
     def drain(self) -> None:
         while self._in_flight:
             self._finish_oldest()
-        grad_buffers.drop_all()  # spares serve one backward; none is held between steps
+        self.root.spares.drop_all()  # spares serve one backward; none is held between steps
 
     def _finish_oldest(self) -> None:
         with trace_range(REDUCE_WAIT, self.root.device):
@@ -128,7 +127,7 @@ class RootState:
         if reduce.defer_install:
             self._zeros_only.append(reduce)
         if reduce.scratch is not None:  # the next unit's backward re-uses it
-            grad_buffers.give_back(reduce.scratch)
+            self.root.spares.give_back(reduce.scratch)
 
     def finish_backward(self) -> None:
         """Issue the reductions left (in the agreed order), wait, install, reshard, reset."""

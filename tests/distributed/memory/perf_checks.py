@@ -11,6 +11,7 @@ from torch import nn
 
 from megatron_fsdp import EngineOptions, fully_shard
 from megatron_fsdp.comm.profiling import RANGE_NAMES
+from megatron_fsdp.core.lookup import units_of
 from megatron_fsdp.memory import allocator
 from megatron_fsdp.memory.allocator import default_pool
 from tests.distributed.core.engine_checks import shard_net, world
@@ -173,15 +174,17 @@ def pooled_gradients_match_unsharded_model() -> None:
 
 @check(SUITE, world_sizes=(2,))
 def gradient_buffers_are_reused_within_backward_and_dropped_after() -> None:
-    from megatron_fsdp.memory import grad_buffers
-
     model = sharded_stack()  # six equal block units under a root without parameters of its own
+    spares = model.fsdp_unit.spares  # the root's: every unit under it shares them
+    assert all(unit.spares is spares for unit in units_of(model))
     train_steps(model, 1)  # warm-up
-    before = dict(grad_buffers.counts)
+    before = (spares.allocated, spares.reused)
+    other = sharded_stack()  # a second model in the process keeps its own spares and counters
+    train_steps(other, 1)
+    assert other.fsdp_unit.spares is not spares and (spares.allocated, spares.reused) == before
     train_steps(model, 2)
-    allocated = grad_buffers.counts["allocated"] - before["allocated"]
-    reused = grad_buffers.counts["reused"] - before["reused"]
+    allocated, reused = spares.allocated - before[0], spares.reused - before[1]
     # Up to two reductions stay in flight, so the first three units of a backward allocate;
     # the other three take the buffers their reductions gave back.
     assert (allocated, reused) == (6, 6), (allocated, reused)
-    assert grad_buffers.spare_count() == 0, "spare gradient buffers held between steps"
+    assert spares.spare_count() == 0, "spare gradient buffers held between steps"
