@@ -80,7 +80,7 @@ def readme_quick_start_trains_like_ddp() -> None:
             model,
             fsdp_unit_modules=[
                 YourModelLayerClass,
-                "models.Block",
+                "tests.models.Block",
             ],
             zero_dp_strategy=strategy,
         )
@@ -595,7 +595,8 @@ def options_map_onto_the_engine() -> None:
 
 @check(SUITE)
 def bad_input_errors() -> None:
-    expect_error(ValueError, "'models.NoSuchBlock'", fully_shard_model, Net(), fsdp_unit_modules=["models.NoSuchBlock"])
+    expect_error(ValueError, "'tests.models.NoSuchBlock'", fully_shard_model, Net(),
+                 fsdp_unit_modules=["tests.models.NoSuchBlock"])
     expect_error(ValueError, "'no_such_pkg.Block'", fully_shard_model, Net(), fsdp_unit_modules=["no_such_pkg.Block"])
     expect_error(TypeError, "valid options:", fully_shard_model, Net(), zero_dp_stratgy=3)
     expect_error(ValueError, "tp_dim='tp'", fully_shard_model, Net(), tp_dim="tp")
