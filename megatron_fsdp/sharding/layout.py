@@ -84,7 +84,17 @@ class FlatLayout:
         return ShardPiece((start - slot.offset) // w, (end - start) // w, start - lo)
 
     def rows_per_rank(self, index: int) -> tuple[int, ...]:
-        return tuple(self.piece(index, r).row_count for r in range(self.world_size))
+        """Every rank's row count of parameter ``index`` (what its ``RaggedShard`` records).
+
+        Only the ranks the parameter overlaps are visited, so one unit costs
+        O(parameters + ranks), not O(parameters x ranks) (docs/scale.md).
+        """
+        slot, n = self.slots[index], self.shard_numel
+        if slot.numel == 0 or n == 0:
+            return (0,) * self.world_size
+        first, last = slot.offset // n, (slot.offset + slot.numel - 1) // n
+        held = tuple(self.piece(index, r).row_count for r in range(first, last + 1))
+        return (0,) * first + held + (0,) * (self.world_size - 1 - last)
 
 
 def _place(shapes: list[tuple[int, ...]], shard_numel: int, world_size: int) -> list[int] | None:

@@ -24,6 +24,7 @@ def assert_valid(layout):
                 assert piece.shard_offset + piece.row_count * slot.row_numel <= layout.shard_numel
             rows += piece.row_count
         assert rows == slot.rows, f"rows of parameter {i} do not add up"
+        assert layout.rows_per_rank(i) == tuple(layout.piece(i, r).row_count for r in range(layout.world_size))
     assert end <= layout.total_numel
 
 
@@ -84,3 +85,10 @@ def test_padding_under_one_percent_on_a_transformer_block(h, ffn, world_size):
     layout = build_flat_layout(transformer_block(h, ffn), world_size)
     assert_valid(layout)
     assert layout.padding_numel / layout.param_numel < 0.01
+
+
+@pytest.mark.parametrize("world_size", [256, 1024, 4096])
+def test_large_world_rows_per_rank_matches_pieces(world_size):
+    # rows_per_rank visits only the ranks a parameter overlaps; the full walk must agree.
+    layout = build_flat_layout(transformer_block(1024, 4096) + [(7, 3), (1,), (0,)], world_size)
+    assert_valid(layout)
