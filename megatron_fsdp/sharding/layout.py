@@ -93,7 +93,14 @@ class FlatLayout:
         if slot.numel == 0 or n == 0:
             return (0,) * self.world_size
         first, last = slot.offset // n, (slot.offset + slot.numel - 1) // n
-        held = tuple(self.piece(index, r).row_count for r in range(first, last + 1))
+        if first == last:
+            held: tuple[int, ...] = (slot.rows,)
+        else:
+            # Ranks strictly between the first and the last hold a whole shard of rows.
+            full = n // slot.row_numel
+            assert last - first < 2 or full * slot.row_numel == n, "row split"
+            head, tail = self.piece(index, first).row_count, self.piece(index, last).row_count
+            held = (head,) + (full,) * (last - first - 1) + (tail,)
         return (0,) * first + held + (0,) * (self.world_size - 1 - last)
 
 

@@ -18,10 +18,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from megatron_fsdp import fully_shard
+from megatron_fsdp import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp.core import schedule
 from megatron_fsdp.core.lookup import units_of
-from megatron_fsdp.plan import MLPConfig, UnitShape, plan_rank
+from megatron_fsdp.plan import MLPConfig, Precision, UnitShape, plan_rank
 
 WORLD = 256
 HIDDEN = 256  # a (256, 256) weight: exactly one row per rank, no padding
@@ -126,3 +126,24 @@ def test_hsdp_8_x_32(outer_optim):
         model(torch.ones(2, HIDDEN)).sum().backward()
         assert {k: v for k, v in stats.bytes.items() if k != "control"} == plan.step_bytes()
     assert math.isclose(plan.main_params, plan.zero_main_params())
+
+
+def test_bf16_compute_matches_the_plan():
+    # MixedPrecisionPolicy(param_dtype=bf16): bf16 compute shards and gathers, fp32 main weights and gradients.
+    layers, rank = 2, 5
+    params = layers * HIDDEN * HIDDEN
+    units = [UnitShape("linear", (("weight", (HIDDEN, HIDDEN)),), layers)]
+    plan = plan_rank(units, WORLD, "optim_grads_params", precision=Precision.named("bf16"), rank=rank)
+    with fake_world(WORLD, rank):
+        model = build(layers, bias=False)
+        shard_all(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        groups = [g for u in units_of(model) for g in u.groups]
+        assert sum(g.shard.numel() * g.shard.element_size() for g in groups) == plan.main_params
+        copies = [g.compute_shard for g in groups if g.compute_shard is not g.shard]
+        extra = sum(c.numel() * c.element_size() for c in copies)
+        assert extra == plan.compute_shards == params // WORLD * 2
+        stats = model.fsdp_comm_stats
+        stats.reset()
+        model(torch.ones(2, HIDDEN)).sum().backward()
+        assert {k: v for k, v in stats.bytes.items() if k != "control"} == plan.step_bytes()
+        assert stats.bytes["all_gather"] == 2 * params * 2 and stats.bytes["reduce_scatter"] == params * 4
