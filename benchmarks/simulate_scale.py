@@ -141,11 +141,12 @@ def _rss_mib() -> float:
 
 
 def _unit_figures(module: nn.Module) -> tuple[int, int, int, int]:
+    """(shard, unsharded, parameter, this rank's parameter) elements over the unit's flat buffers."""
     (unit,) = [u for u in units_of(module) if u.module is module]
-    (group,) = unit.groups
-    layout = group.layout
-    local = sum(p.to_local().numel() for p in group.sharded_params)
-    return layout.shard_numel, layout.total_numel, layout.param_numel, local
+    layouts = [g.layout for g in unit.groups]
+    local = sum(p.to_local().numel() for g in unit.groups for p in g.sharded_params)
+    return (sum(x.shard_numel for x in layouts), sum(x.total_numel for x in layouts),
+            sum(x.param_numel for x in layouts), local)
 
 
 def simulate(config, world: int, strategy: str, layers: int, rank: int, outer: int, outer_optim: bool,
@@ -190,7 +191,7 @@ def simulate(config, world: int, strategy: str, layers: int, rank: int, outer: i
 def check(plan: RankPlan, measured: Measured) -> None:
     """Raise unless the engine's figures equal the plan's (the layout arithmetic both share)."""
     for (name, shard, total, param, local), u in zip(measured.units, plan.units):
-        want = (u.layout.shard_numel, u.layout.total_numel, u.layout.param_numel, u.local_param_numel(plan.rank))
+        want = (u.shard_numel, u.total_numel, u.unit.numel, u.local_param_numel(plan.rank))
         if (shard, total, param, local) != want:
             raise AssertionError(f"{name}: engine (shard, total, params, local) {(shard, total, param, local)} "
                                  f"!= plan {want}")
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     warm_up()
     print(f"# {config}; built with {args.layers} decoder layers, whole-model figures scaled to "
           f"{config.layers}; rank {args.rank}; fp32 weights, Adam state = 2 x local elements")
-    head = (f"{'strategy':<19}{'N':>6}{'shard/layer':>12}{'x share':>8}{'FSDP2 x':>8}{'root x':>8}"
+    head = (f"{'strategy':<19}{'N':>6}{'shard/layer':>12}{'buf':>4}{'x share':>8}{'FSDP2 x':>8}{'root x':>8}"
             f"{'params GiB':>11}{'grads GiB':>10}{'Adam GiB':>9}{'ZeRO GiB':>9}{'transient GiB':>14}"
             f"{'setup s/layer':>14}{'RSS MiB':>8}")
     print(head)
@@ -240,10 +241,10 @@ def main(argv: list[str] | None = None) -> int:
             layer = whole.units[0]
             fsdp2 = fsdp2_padded_numel(layer.unit.shapes, whole.pieces) / layer.unit.numel
             last = whole.units[-1]
-            root = f"{last.layout.total_numel / last.unit.numel:8.4f}" if last.unit.is_root else f"{'-':>8}"
+            root = f"{last.total_numel / last.unit.numel:8.4f}" if last.unit.is_root else f"{'-':>8}"
             zero = whole.zero_main_params() / GIB
-            print(f"{strategy:<19}{world:>6}{layer.layout.shard_numel:>12,}"
-                  f"{layer.layout.total_numel / layer.unit.numel:>8.4f}{fsdp2:>8.4f}{root}"
+            print(f"{strategy:<19}{world:>6}{layer.shard_numel:>12,}{len(layer.layouts):>4}"
+                  f"{layer.total_numel / layer.unit.numel:>8.4f}{fsdp2:>8.4f}{root}"
                   f"{whole.main_params / GIB:>11.3f}{whole.grads / GIB:>10.3f}{whole.optimizer_state / GIB:>9.3f}"
                   f"{zero:>9.3f}{whole.largest_transient / GIB:>14.3f}"
                   f"{m.setup_s / (args.layers + 1):>14.4f}{m.setup_rss_mib:>8.0f}")

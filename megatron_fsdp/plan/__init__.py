@@ -12,7 +12,6 @@ from megatron_fsdp.plan.estimate import (
     UnitPlan,
     fsdp2_padded_numel,
     plan_rank,
-    row_aligned_floor_numel,
 )
 from megatron_fsdp.plan.models import MODELS, LlamaConfig, MLPConfig, UnitShape, model_named
 
@@ -27,5 +26,4 @@ __all__ = [
     "fsdp2_padded_numel",
     "model_named",
     "plan_rank",
-    "row_aligned_floor_numel",
 ]

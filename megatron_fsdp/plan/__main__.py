@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_fsdp.plan.estimate import Precision, RankPlan, fsdp2_padded_numel, plan_rank, row_aligned_floor_numel
+from megatron_fsdp.plan.estimate import Precision, RankPlan, fsdp2_padded_numel, plan_rank
 from megatron_fsdp.plan.models import MODELS, model_named
 from megatron_fsdp.sharding.strategy import STRATEGY_NAMES
 
@@ -45,13 +45,13 @@ def report(plan: RankPlan) -> str:
     lines.append(f"{'gathered weights in fwd/bwd':<34}{plan.gathered_weights / GIB:>10.3f}")
     lines.append(f"{'largest transient (unit + grads)':<34}{plan.largest_transient / GIB:>10.3f}")
     lines.append("")
-    lines.append(f"{'unit':<16}{'count':>6}{'padding':>14}{'%':>8}{'FSDP2 %':>9}{'floor %':>9}")
+    lines.append(f"{'unit':<16}{'count':>6}{'buffers':>8}{'padding':>14}{'%':>8}{'FSDP2 %':>9}")
     for u in plan.units:
         fsdp2 = fsdp2_padded_numel(u.unit.shapes, plan.pieces) - u.unit.numel
-        floor = row_aligned_floor_numel(u.unit.shapes, plan.pieces) - u.unit.numel
         lines.append(
-            f"{u.unit.name:<16}{u.unit.count:>6}{u.padding_numel:>14,}{100 * u.padding_fraction:>8.3f}"
-            f"{100 * fsdp2 / u.unit.numel:>9.3f}{100 * floor / u.unit.numel:>9.3f}"
+            f"{u.unit.name:<16}{u.unit.count:>6}{len(u.layouts):>8}{u.padding_numel:>14,}"
+            f"{100 * u.padding_fraction:>8.3f}"
+            f"{100 * fsdp2 / u.unit.numel:>9.3f}"
         )
     padded, minimum = plan.step_bytes(), plan.step_bytes(padded=False)
     lines.append("")

@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from megatron_fsdp.plan.models import UnitShape
-from megatron_fsdp.sharding.layout import FlatLayout, build_flat_layout
+from megatron_fsdp.sharding.layout import FlatLayout, build_flat_layout, partition_for_padding
 from megatron_fsdp.sharding.strategy import ShardingPlan, resolve_strategy
 
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
@@ -43,24 +43,39 @@ class Precision:
 
 @dataclass(frozen=True)
 class UnitPlan:
-    """One unit kind (``count`` identical units) laid out for ``pieces`` main shards."""
+    """One unit kind (``count`` identical units): its flat buffers laid out for ``pieces`` main shards.
+
+    Usually one buffer; several where ``layout.partition_for_padding`` splits the unit.
+    """
 
     unit: UnitShape
-    layout: FlatLayout
+    layouts: tuple[FlatLayout, ...]
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(layout.shard_numel for layout in self.layouts)
+
+    @property
+    def total_numel(self) -> int:
+        """Elements of the unit's unsharded buffers, padding included (what one all-gather moves)."""
+        return sum(layout.total_numel for layout in self.layouts)
 
     @property
     def padding_numel(self) -> int:
-        return self.layout.padding_numel
+        return sum(layout.padding_numel for layout in self.layouts)
 
     @property
     def padding_fraction(self) -> float:
         """Padding over the unit's parameter elements (the same fraction of every collective on it)."""
-        return self.layout.padding_numel / max(self.layout.param_numel, 1)
+        return self.padding_numel / max(self.unit.numel, 1)
 
     def local_param_numel(self, rank: int) -> int:
         """Parameter elements (padding excluded) of main-shard ``rank``: what the optimizer's state covers."""
-        slots = self.layout.slots
-        return sum(self.layout.piece(i, rank).row_count * slot.row_numel for i, slot in enumerate(slots))
+        return sum(
+            layout.piece(i, rank).row_count * slot.row_numel
+            for layout in self.layouts
+            for i, slot in enumerate(layout.slots)
+        )
 
 
 @dataclass(frozen=True)
@@ -82,12 +97,12 @@ class RankPlan:
     @property
     def buffer_numel(self) -> int:
         """Elements of every unit's unsharded flat buffer, padding included."""
-        return sum(u.layout.total_numel * u.unit.count for u in self.units)
+        return sum(u.total_numel * u.unit.count for u in self.units)
 
     @property
     def shard_numel(self) -> int:
         """Elements of this rank's main shards (padding included)."""
-        return sum(u.layout.shard_numel * u.unit.count for u in self.units)
+        return sum(u.shard_numel * u.unit.count for u in self.units)
 
     @property
     def local_param_numel(self) -> int:
@@ -126,13 +141,13 @@ class RankPlan:
         if not self.strategy.optim:
             return 0  # the main weights are the full ones, counted in main_params
         if self.strategy.params:
-            return max(u.layout.total_numel for u in self.units) * self.precision.compute
+            return max(u.total_numel for u in self.units) * self.precision.compute
         return self.buffer_numel * self.precision.compute
 
     @property
     def largest_transient(self) -> int:
         """The largest unit's gathered weights plus its full-size gradient buffer (one unit's backward)."""
-        largest = max(u.layout.total_numel for u in self.units)
+        largest = max(u.total_numel for u in self.units)
         gathered = largest * self.precision.compute if self.strategy.optim else 0
         return gathered + largest * self.precision.grad
 
@@ -157,8 +172,8 @@ class RankPlan:
         outer_optim = self.pieces > inner
         p = self.precision
         for u in self.units:
-            full = (u.layout.total_numel if padded else u.unit.numel) * u.unit.count
-            piece = (u.layout.shard_numel if padded else u.unit.numel / self.pieces) * u.unit.count
+            full = (u.total_numel if padded else u.unit.numel) * u.unit.count
+            piece = (u.shard_numel if padded else u.unit.numel / self.pieces) * u.unit.count
             if self.strategy.optim and inner > 1:
                 # ZeRO-3 gathers again for backward, except the root, which stays gathered after forward.
                 gathers = 2 if self.strategy.params and not u.unit.is_root else 1
@@ -175,6 +190,11 @@ class RankPlan:
             elif self.world > 1:
                 out["all_reduce"] += full * p.grad
         return {k: int(v) for k, v in out.items()}
+
+
+def _layouts(shapes: list[tuple[int, ...]], pieces: int) -> tuple[FlatLayout, ...]:
+    """The unit's flat buffers, split as ``fully_shard`` splits them."""
+    return tuple(build_flat_layout([shapes[i] for i in part], pieces) for part in partition_for_padding(shapes, pieces))
 
 
 def plan_rank(
@@ -197,26 +217,10 @@ def plan_rank(
     pieces = (inner * outer if outer_optim and outer > 1 else inner) if plan.optim else 1
     if not 0 <= rank < pieces:
         raise ValueError(f"rank={rank} is not one of the {pieces} main shards")
-    laid = tuple(UnitPlan(u, build_flat_layout(u.shapes, pieces)) for u in units)
+    laid = tuple(UnitPlan(u, _layouts(u.shapes, pieces)) for u in units)
     return RankPlan(plan, world, outer, pieces, laid, precision or Precision(), rank)
 
 
 def fsdp2_padded_numel(shapes: list[tuple[int, ...]], world: int) -> int:
     """Elements FSDP2's per-parameter ``Shard(0)`` holds over all ranks (each dim 0 padded to a multiple of world)."""
     return sum(-(-s[0] // world) * world * math.prod(s[1:]) if s else world for s in shapes)
-
-
-def row_aligned_floor_numel(shapes: list[tuple[int, ...]], world: int) -> int:
-    """A lower bound on the elements of any equal-shard, row-aligned, contiguous layout of these parameters.
-
-    A parameter that spans two shard boundaries needs the shard size to be a
-    multiple of its row size, so parameters of one row size ``w`` can at best
-    share buffers whose shards hold whole rows: their ``R`` rows in total need
-    ``ceil(R / world) * world`` rows. Summed over row sizes, taking the rows of
-    each size as one pool (the most favourable grouping), this is below or equal
-    to FSDP2's per-parameter padding. 1-D parameters (row size 1) pad nothing.
-    """
-    rows: dict[int, int] = defaultdict(int)
-    for s in shapes:
-        rows[math.prod(s[1:]) if s else 1] += s[0] if s else 1
-    return sum(-(-r // world) * world * w for w, r in rows.items())

@@ -91,15 +91,15 @@ def test_padded_model_matches_the_plan_exactly(rank):
     with fake_world(WORLD, rank):
         model = build(layers, bias=True)
         shard_all(model)
-        assert shard_numel(model) == plan.shard_numel == layers * unit.layout.shard_numel
+        assert shard_numel(model) == plan.shard_numel == layers * unit.shard_numel
         assert local_numel(model) == plan.local_param_numel
         stats = model.fsdp_comm_stats
         stats.reset()
         model(torch.ones(2, HIDDEN)).sum().backward()
         assert {k: v for k, v in stats.bytes.items() if k != "control"} == plan.step_bytes()
     # Rank 0 holds full shards, the last rank what is left after the padding.
-    assert plan.local_param_numel == (layers * unit.layout.shard_numel if rank == 0 else 0)
-    assert unit.layout.total_numel == WORLD * 512 and unit.padding_numel == WORLD * 512 - (HIDDEN + 1) * HIDDEN
+    assert plan.local_param_numel == (layers * unit.shard_numel if rank == 0 else 0)
+    assert unit.total_numel == WORLD * 512 and unit.padding_numel == WORLD * 512 - (HIDDEN + 1) * HIDDEN
 
 
 @pytest.mark.parametrize("outer_optim", [False, True])
@@ -147,3 +147,20 @@ def test_bf16_compute_matches_the_plan():
         model(torch.ones(2, HIDDEN)).sum().backward()
         assert {k: v for k, v in stats.bytes.items() if k != "control"} == plan.step_bytes()
         assert stats.bytes["all_gather"] == 2 * params * 2 and stats.bytes["reduce_scatter"] == params * 4
+
+
+def test_split_unit_holds_exactly_its_zero_share():
+    # Linear(512, 512) with bias at 256 ranks: one buffer would pad each shard to 3 rows of 512
+    # (50%); weight and bias in two buffers hold 2 rows and 2 elements per rank, no padding.
+    hidden, layers, rank = 512, 2, 200
+    params = layers * (hidden * hidden + hidden)
+    with fake_world(WORLD, rank):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(hidden, hidden) for _ in range(layers)))
+        shard_all(model)
+        assert sorted(len(u.groups) for u in units_of(model)) == [0, 2, 2]  # the root owns no parameter
+        assert shard_numel(model) == local_numel(model) == params // WORLD
+        stats = model.fsdp_comm_stats
+        stats.reset()
+        model(torch.ones(2, hidden)).sum().backward()
+        assert stats.bytes["all_gather"] == 2 * params * 4 and stats.bytes["reduce_scatter"] == params * 4
