@@ -8,6 +8,8 @@ Note: the invariant this file guarantees, relied on by ``param_group`` (views),
 parameter is one contiguous slice of the unsharded buffer, and no shard
 boundary falls inside one of its rows. A rank therefore owns whole rows
 ``[row_start, row_start + row_count)`` of each parameter (possibly none).
+A unit may lay its parameters out in several such buffers
+(``partition_for_padding``); the invariant holds in each.
 """
 
 from __future__ import annotations
