@@ -1,12 +1,13 @@
 """Per-rank memory and bytes per step of a model under a strategy, from the engine's own layout arithmetic.
 
-Everything here is computed with ``sharding.layout.build_flat_layout``, the
-function ``ParamGroup`` lays its flat buffer out with, so the figures are the
-engine's, not an approximation: ``benchmarks/simulate_scale.py`` runs the
+Everything here is computed with ``sharding.layout`` (``partition_for_padding``,
+``build_flat_layout``), the functions ``fully_shard`` and ``ParamGroup`` lay flat
+buffers out with, so the figures are the engine's, not an approximation: ``benchmarks/simulate_scale.py`` runs the
 engine on one rank of a fake N-rank job and checks them
-(``tests/unit/test_scale_simulation.py``). Assumed: one parameter group per unit
-(all parameters of one dtype and trainable), a torch Adam/AdamW (two state
-tensors of the main dtype per parameter element this rank holds), and
+(``tests/unit/test_scale_simulation.py``). Assumed: every parameter of a unit of
+one dtype and trainable (one parameter kind, split into flat buffers as
+``fully_shard`` splits it: ``layout.partition_for_padding``), a torch Adam/AdamW
+(two state tensors of the main dtype per parameter element this rank holds), and
 gradients kept until ``zero_grad``.
 """
 
