@@ -32,7 +32,8 @@ from megatron_fsdp.core.validation import (
     check_same_across_ranks,
     param_signature,
 )
-from megatron_fsdp.sharding.mesh import OUTER_STRATEGIES, resolve_mesh, resolve_outer_strategy
+from megatron_fsdp.sharding.layout import partition_for_padding
+from megatron_fsdp.sharding.mesh import OUTER_STRATEGIES, DataParallelMesh, resolve_mesh, resolve_outer_strategy
 from megatron_fsdp.sharding.no_shard import is_marked_no_shard
 from megatron_fsdp.sharding.strategy import STRATEGIES, ShardingPlan, resolve_strategy
 
@@ -179,11 +180,12 @@ def shard_module(
         by_kind.setdefault((ref.param.dtype, ref.param.requires_grad, ref.replicated), []).append(ref)
     unit.groups = [
         ParamGroup(
-            group, dp_mesh, STRATEGIES["no_shard"] if replicated else plan, device, unit.on_grads_ready, mp_policy,
+            part, dp_mesh, STRATEGIES["no_shard"] if replicated else plan, device, unit.on_grads_ready, mp_policy,
             comm=unit.comm, pool=unit.pool, spares=unit.spares, offload=offload,
             post_forward=None if replicated else post_forward,
         )
         for (_, _, replicated), group in by_kind.items()
+        for part in ([group] if replicated else _split_for_padding(group, plan, dp_mesh))
     ]
     for group in unit.groups:  # lets optimizer wrappers and grad-norm code find the engine from a parameter
         for param in group.sharded_params:
@@ -195,6 +197,12 @@ def shard_module(
     module.register_state_dict_pre_hook(unit.release_before_state_dict)
     module.register_load_state_dict_pre_hook(unit.prepare_state_dict_for_load)
     return make_fsdp_module(module, unit)
+
+
+def _split_for_padding(refs: list[ParamRef], plan: ShardingPlan, dp: DataParallelMesh) -> list[list[ParamRef]]:
+    """One kind's parameters split into flat buffers where that saves padding (``layout.partition_for_padding``)."""
+    world = (dp.shard_size * (dp.outer_size if dp.outer_optim else 1)) if plan.optim else 1
+    return [[refs[i] for i in part] for part in partition_for_padding([tuple(r.param.shape) for r in refs], world)]
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:

@@ -8,6 +8,8 @@ Note: the invariant this file guarantees, relied on by ``param_group`` (views),
 parameter is one contiguous slice of the unsharded buffer, and no shard
 boundary falls inside one of its rows. A rank therefore owns whole rows
 ``[row_start, row_start + row_count)`` of each parameter (possibly none).
+A unit may lay its parameters out in several such buffers
+(``partition_for_padding``); the invariant holds in each.
 """
 
 from __future__ import annotations
@@ -84,7 +86,24 @@ class FlatLayout:
         return ShardPiece((start - slot.offset) // w, (end - start) // w, start - lo)
 
     def rows_per_rank(self, index: int) -> tuple[int, ...]:
-        return tuple(self.piece(index, r).row_count for r in range(self.world_size))
+        """Every rank's row count of parameter ``index`` (what its ``RaggedShard`` records).
+
+        Only the ranks the parameter overlaps are visited, so one unit costs
+        O(parameters + ranks), not O(parameters x ranks) (docs/scale.md).
+        """
+        slot, n = self.slots[index], self.shard_numel
+        if slot.numel == 0 or n == 0:
+            return (0,) * self.world_size
+        first, last = slot.offset // n, (slot.offset + slot.numel - 1) // n
+        if first == last:
+            held: tuple[int, ...] = (slot.rows,)
+        else:
+            # Ranks strictly between the first and the last hold a whole shard of rows.
+            full = n // slot.row_numel
+            assert last - first < 2 or full * slot.row_numel == n, "row split"
+            head, tail = self.piece(index, first).row_count, self.piece(index, last).row_count
+            held = (head,) + (full,) * (last - first - 1) + (tail,)
+        return (0,) * first + held + (0,) * (self.world_size - 1 - last)
 
 
 def _place(shapes: list[tuple[int, ...]], shard_numel: int, world_size: int) -> list[int] | None:
@@ -148,3 +167,63 @@ def build_flat_layout(shapes: list[tuple[int, ...]], world_size: int) -> FlatLay
             slots = tuple(ParamSlot(s, o) for s, o in zip(shapes, offsets))
             return FlatLayout(slots, world_size, shard)
         shard += step
+
+
+# A unit is split into several flat buffers (one collective each) only when that
+# saves at least this many padding elements and 1% of the unit: below that, the
+# latency of an extra collective costs more than the bytes it saves.
+SPLIT_MIN_SAVING_NUMEL = 1 << 16
+SPLIT_MIN_SAVING_FRACTION = 0.01
+
+
+def _padding(shapes: list[tuple[int, ...]], parts: list[list[int]], world_size: int) -> int:
+    return sum(build_flat_layout([shapes[i] for i in part], world_size).padding_numel for part in parts)
+
+
+def partition_for_padding(shapes: list[tuple[int, ...]], world_size: int) -> list[list[int]]:
+    """Indices of ``shapes`` split into the flat buffers a unit lays its parameters out in.
+
+    One buffer's shard size must be a multiple of the row size of every
+    parameter that spans two of its boundaries, so a unit whose large
+    parameters have different row sizes (a Llama layer: 4096 and 14336) pads
+    each shard up to a multiple of their lcm (7.7% at 1,024 ranks for 8B).
+    Parameters of one row size share a buffer with no such loss: their rows
+    pool, and each shard holds ``ceil(rows / world_size)`` of them. So large
+    parameters (more elements than one shard of the single buffer) are grouped
+    by row size, in registration order; the small ones (norms, biases) either
+    get their own buffer or join the group where they add least padding.
+
+    The split is taken only when it saves ``SPLIT_MIN_SAVING_NUMEL`` elements and
+    ``SPLIT_MIN_SAVING_FRACTION`` of the unit over the option with fewer buffers,
+    so small models (and every unit with nothing to gain) keep one buffer.
+    Deterministic in ``shapes`` and ``world_size``: every rank splits alike.
+    """
+    everything = [list(range(len(shapes)))]
+    total = sum(math.prod(s) for s in shapes)
+    if world_size == 1 or total == 0 or len(shapes) < 2:
+        return everything
+    lower = -(-total // world_size)
+    by_row: dict[int, list[int]] = {}
+    small: list[int] = []
+    for i, s in enumerate(shapes):
+        if math.prod(s) > lower and len(s) > 1:
+            by_row.setdefault(math.prod(s[1:]), []).append(i)
+        else:
+            small.append(i)
+    classes = list(by_row.values())
+    candidates = [everything]  # fewest buffers first
+    if classes:
+        for c in range(len(classes)):  # the small parameters join one class
+            candidates.append([part + small if j == c else part for j, part in enumerate(classes)])
+        if small:
+            candidates.append(classes + [small])
+    best, best_padding = everything, _padding(shapes, everything, world_size)
+    for parts in candidates[1:]:
+        padding = _padding(shapes, parts, world_size)
+        saving = best_padding - padding
+        more = len(parts) > len(best)
+        if saving > 0 and (
+            not more or (saving >= SPLIT_MIN_SAVING_NUMEL and saving >= SPLIT_MIN_SAVING_FRACTION * total)
+        ):
+            best, best_padding = parts, padding
+    return best

@@ -42,9 +42,10 @@ class RaggedShard(Shard):
 
     def __init__(self, dim: int, local_sizes: Sequence[int], order: Sequence[int] | None = None) -> None:
         super().__init__(dim)
-        sizes = tuple(int(s) for s in local_sizes)
-        order = tuple(range(len(sizes))) if order is None else tuple(int(r) for r in order)
-        if sorted(order) != list(range(len(sizes))):
+        # map/range rather than per-element Python: one of these per parameter, world-size long.
+        sizes = tuple(map(int, local_sizes))
+        order = tuple(range(len(sizes))) if order is None else tuple(map(int, order))
+        if order != tuple(range(len(sizes))) and sorted(order) != list(range(len(sizes))):
             raise ValueError(f"RaggedShard order {order} is not a permutation of the {len(sizes)} mesh ranks")
         object.__setattr__(self, "local_sizes", sizes)
         object.__setattr__(self, "order", order)
