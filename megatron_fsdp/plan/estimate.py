@@ -4,7 +4,7 @@ Everything here is computed with ``sharding.layout`` (``partition_for_padding``,
 ``build_flat_layout``), the functions ``fully_shard`` and ``ParamGroup`` lay flat
 buffers out with, so the figures are the engine's, not an approximation: ``benchmarks/simulate_scale.py`` runs the
 engine on one rank of a fake N-rank job and checks them
-(``tests/unit/test_scale_simulation.py``). Assumed: every parameter of a unit of
+(``tests/unit/sharding/test_scale_simulation.py``). Assumed: every parameter of a unit of
 one dtype and trainable (one parameter kind, split into flat buffers as
 ``fully_shard`` splits it: ``layout.partition_for_padding``), a torch Adam/AdamW
 (two state tensors of the main dtype per parameter element this rank holds), and

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from megatron_fsdp import fully_shard
 from megatron_fsdp.checkpoint import load_state, save_state
 from megatron_fsdp.core.lookup import units_of
-from tests.distributed.engine_checks import assert_close_params, world
+from tests.distributed.core.engine_checks import assert_close_params, world
 from tests.distributed.harness import check, shared_tmpdir
 
 SUITE = "layout_split"
