@@ -2,7 +2,9 @@
 
 Each scenario builds the same model twice, shards one with PyTorch's
 ``torch.distributed.fsdp.fully_shard`` and one with ours using the same keywords,
-trains both on the same per-rank batches and compares losses and full weights.
+trains both on the same per-rank batches and compares losses and full weights:
+bitwise, as the same machine computes the same casts in the same order (at 2
+ranks the mean's division by the world size is exact).
 PyTorch's DTensors live on a mesh with other dimension names, so DTensor's
 sharding-propagation cache never mixes theirs with ours (docs/api.md, known limit).
 Scenarios follow PyTorch's test/distributed/_composable/fsdp/ tests
@@ -113,14 +115,37 @@ def train(model: nn.Module, steps: int = 3, after_backward: Callable[[int], None
     return losses
 
 
-def assert_same_training(ours: nn.Module, theirs: nn.Module, rtol: float, atol: float, what: str, **kw) -> None:
-    losses = (train(ours, **kw), train(theirs, **kw))
-    torch.testing.assert_close(losses[0], losses[1], rtol=rtol, atol=atol, msg=lambda m: f"{what}: losses: {m}")
-    mine, ref = full_state(ours), full_state(theirs)
-    assert mine.keys() == ref.keys(), (what, mine.keys() ^ ref.keys())
-    for name in ref:
-        torch.testing.assert_close(mine[name], ref[name], rtol=rtol, atol=atol,
-                                   msg=lambda m, name=name: f"{what}: {name}: {m}")
+def assert_same_training(ours: nn.Module, theirs: nn.Module, what: str) -> None:
+    """Both train alike: losses and full weights bitwise equal."""
+    losses = (train(ours), train(theirs))
+    assert_bitwise(losses, what + ": losses")
+    assert_bitwise((full_state(ours), full_state(theirs)), what)
+
+
+def assert_bitwise(pair: tuple, what: str) -> None:
+    torch.testing.assert_close(pair[0], pair[1], rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
+
+
+def train_replicated_with_casts(net: Net, compute: torch.dtype, steps: int = 3) -> tuple[list[float], dict]:
+    """DDP with FSDP2's casts, by hand: fp32 main weights, a ``compute`` copy runs the
+    rank's batch, its gradients are all-reduced in fp32 and averaged, AdamW steps the main weights."""
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, foreach=False)
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        copy = make_net().to(compute)
+        copy.load_state_dict(net.state_dict())
+        loss = copy(batch(step).to(compute)).float().square().mean()
+        loss.backward()
+        for main, low in zip(net.parameters(), copy.parameters()):
+            grad = low.grad.float()
+            dist.all_reduce(grad)
+            main.grad = grad / dist.get_world_size()
+        optimizer.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+    return losses, full_state(net)
 
 
 def shard_both(apply_ours: Callable[[Net], None], apply_theirs: Callable[[Net], None]) -> tuple[Net, Net]:
@@ -147,10 +172,15 @@ def fsdp2_mixed_precision_policy_trains_like_fsdp2() -> None:
             return go
 
         ours, theirs = shard_both(apply(fully_shard, {}), apply(torch_fsdp.fully_shard, {"mesh": torch_mesh()}))
-        # Same machine, same casts, same per-rank batches: bitwise alike in practice; the
-        # tolerance allows the gradient division (ours: before the sum; FSDP2: its own
-        # split) to round one ulp apart.
-        assert_same_training(ours, theirs, rtol=1e-5, atol=1e-6, what=str(policy))
+        # Same machine, same casts, same per-rank batches, 2 ranks (the mean's division
+        # by 2 is exact): bitwise.
+        assert_same_training(ours, theirs, what=str(policy))
+        if policy.reduce_dtype == torch.float32:  # and as DDP with the same casts
+            ddp_losses, ddp_state = train_replicated_with_casts(make_net(), torch.bfloat16)
+            ours_again = make_net()
+            apply(fully_shard, {})(ours_again)
+            assert_bitwise((train(ours_again), ddp_losses), f"{policy} vs DDP: losses")
+            assert_bitwise((full_state(ours_again), ddp_state), f"{policy} vs DDP")
         # Probed after training: FSDP2's root keeps its unsharded parameters registered
         # after a no_grad forward, so an optimizer built after one would step those.
         with torch.no_grad():
@@ -189,7 +219,7 @@ def output_dtype_and_cast_forward_inputs_in_our_policy() -> None:
         torch_fsdp.fully_shard(net, mesh=mesh, mp_policy=theirs_policy)
 
     ours, theirs = shard_both(apply_ours, apply_theirs)
-    assert_same_training(ours, theirs, rtol=1e-5, atol=1e-6, what="our policy with output_dtype")
+    assert_same_training(ours, theirs, what="our policy with output_dtype")
     with torch.no_grad():
         assert ours(batch(0)).dtype == theirs(batch(0)).dtype == torch.float32
     seen = [(b.seen_dtype, b.attn.seen_dtype) for b in ours.blocks]
@@ -220,7 +250,7 @@ def reshard_after_forward_none_is_fsdp2s_default() -> None:
     ours.zero_grad()
     theirs(batch(0)).square().mean().backward()
     theirs.zero_grad()
-    assert_same_training(ours, theirs, rtol=1e-5, atol=1e-6, what="reshard_after_forward=None")
+    assert_same_training(ours, theirs, what="reshard_after_forward=None")
 
 
 @check(SUITE, (2,))
@@ -253,18 +283,15 @@ def ignored_params_stay_plain_and_unreduced() -> None:
         return after_backward
 
     losses = (train(ours, after_backward=record(ours)), train(theirs, after_backward=record(theirs)))
-    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
-    for name in ignored:  # ours' and FSDP2's local (unreduced) gradients, step by step
+    assert_bitwise(losses, "losses")
+    for name in ignored:  # ours' and FSDP2's local (unreduced) gradients, step by step: bitwise
         mine, ref = grads[name][:3], grads[name][3:]
-        for a, b in zip(mine, ref):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert_bitwise((mine, ref), name)
         # unreduced: each rank keeps its own batch's gradient (the ranks' batches differ)
         other = [torch.empty_like(mine[0]) for _ in range(dist.get_world_size())]
         dist.all_gather(other, mine[0].contiguous())
         assert not torch.equal(other[0], other[1]), name
-    mine, ref = full_state(ours), full_state(theirs)
-    for name in ref:
-        torch.testing.assert_close(mine[name], ref[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert_bitwise((full_state(ours), full_state(theirs)), "weights")
 
 
 @check(SUITE, (2,))
@@ -302,7 +329,7 @@ def list_of_modules_is_one_unit() -> None:
     assert all({g.state.value for g in u.groups} == {"sharded"} for u in units[1:])
     loss.backward()
     ours.zero_grad()
-    assert_same_training(ours, theirs, rtol=1e-5, atol=1e-6, what="grouped attn+mlp")
+    assert_same_training(ours, theirs, what="grouped attn+mlp")
     # state_dict: the plain model's keys, and loading a plain model's values reproduces it
     plain = make_net()
     with torch.no_grad():
