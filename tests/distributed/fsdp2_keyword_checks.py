@@ -398,3 +398,44 @@ def dp_mesh_dims_names_the_data_parallel_dimensions() -> None:
             assert "dp_mesh_dims" in str(exc), exc
         else:
             raise AssertionError(f"{bad} was accepted")
+
+
+class HiddenNet(Net):
+    """``Net`` whose forward stops before the head: the loss runs the head per chunk (chunked loss)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def chunked_loss(net: HiddenNet, x: torch.Tensor) -> torch.Tensor:
+    hidden = net(x)
+    return sum(net.head(chunk).square().sum() for chunk in hidden.chunk(2)) / (hidden.shape[0] * 3)
+
+
+@check(SUITE, (2,))
+def grouped_unit_with_a_module_run_after_the_forward() -> None:
+    """fully_shard([last block, head]) with the head called per chunk after the model's forward, as FSDP2."""
+    def build(fn, **mesh_kw) -> HiddenNet:
+        torch.manual_seed(0)
+        net = HiddenNet()
+        fn(net.blocks[0], **mesh_kw)
+        fn([net.blocks[1], net.head], **mesh_kw)
+        fn(net, **mesh_kw)
+        return net
+
+    results = []
+    for net in (build(fully_shard), build(torch_fsdp.fully_shard, mesh=torch_mesh())):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, foreach=False)
+        losses = []
+        for step in range(3):
+            optimizer.zero_grad()
+            loss = chunked_loss(net, batch(step))
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach().clone())
+        results.append((losses, full_state(net)))
+    assert_bitwise((results[0][0], results[1][0]), "chunked loss: losses")
+    assert_bitwise((results[0][1], results[1][1]), "chunked loss")
