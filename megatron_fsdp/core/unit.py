@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from megatron_fsdp.comm.collectives import CommConfig, CommStats
 from megatron_fsdp.comm.profiling import REDUCE_ISSUE, REDUCE_WAIT, RESHARD, UNSHARD_ISSUE, UNSHARD_WAIT, trace_range
 from megatron_fsdp.core.grad_scaling import GradScaling
-from megatron_fsdp.core.lookup import units_of
+from megatron_fsdp.core.lookup import unit_of, units_of
 from megatron_fsdp.core.meta_init import materialize_meta
 from megatron_fsdp.core.microbatch import MicrobatchFlags
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
@@ -54,6 +54,21 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         ctx.unit.post_backward()
         return (None, *grads)
+
+
+def _own_module_names(module: nn.Module) -> dict[int, str]:
+    """``id -> name`` of ``module`` and its submodules, not descending into other units (pre-order)."""
+    names: dict[int, str] = {}
+    stack = [("", module)]
+    while stack:
+        name, mod = stack.pop()
+        if id(mod) in names:
+            continue
+        names[id(mod)] = name
+        children = [(f"{name}.{n}" if name else n, c) for n, c in mod._modules.items()
+                    if c is not None and unit_of(c) is None]
+        stack.extend(reversed(children))
+    return names
 
 
 class FSDPUnit:
@@ -207,7 +222,7 @@ class FSDPUnit:
         grouped unit registers this hook on each of its modules, and each sees
         only the parameters registered under itself.
         """
-        names = {id(m): name for name, m in module.named_modules()}
+        names = _own_module_names(module)
         for group in self.groups:
             for index, ref in enumerate(group.refs):
                 for owner, attr in ref.uses:
