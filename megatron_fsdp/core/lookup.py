@@ -25,5 +25,9 @@ def unit_of(module: nn.Module) -> FSDPUnit | None:
 
 
 def units_of(module: nn.Module) -> list[FSDPUnit]:
-    """Every unit in ``module``'s subtree (itself included), in ``module.modules()`` order."""
-    return [unit for m in module.modules() if (unit := m.__dict__.get(UNIT_ATTR)) is not None]
+    """Every unit in ``module``'s subtree (itself included), in ``module.modules()`` order.
+
+    A unit over several modules (``fully_shard([a, b])``) is listed once, at its first module.
+    """
+    units = {id(unit): unit for m in module.modules() if (unit := m.__dict__.get(UNIT_ATTR)) is not None}
+    return list(units.values())

@@ -1,27 +1,38 @@
-"""MixedPrecisionPolicy: which dtype each role uses. Validation only; the engine reads it.
+"""MixedPrecisionPolicy: which dtype each role uses, and the module-boundary casts.
 
-Roles (Megatron-FSDP's names in brackets):
+Roles (Megatron-FSDP's names in brackets, FSDP2's in parentheses):
 
 - ``param_dtype``: the compute (model) weights the module runs with and the
-  all-gather moves; ``None`` keeps each parameter's own dtype.
+  all-gather moves; ``None`` keeps each parameter's own dtype. (FSDP2: the same.)
 - ``main_params_dtype``: the sharded main weights the optimizer steps
   [``preserve_fp32_weights=True`` is fp32, the default]; ``None`` keeps the
-  parameter's dtype.
+  parameter's dtype. (FSDP2 always keeps the parameter's dtype: ``None``.)
 - ``main_grads_dtype``: the dtype gradients accumulate in across micro-batches;
   ``None`` follows ``main_params_dtype``.
 - ``grad_comm_dtype``: the dtype of the gradient reduction
   [``grad_reduce_in_fp32=True`` is fp32]; ``None`` follows ``main_grads_dtype``.
+  (FSDP2: ``reduce_dtype``, whose ``None`` means ``param_dtype``.)
+- ``output_dtype``: cast the floating-point forward outputs of every unit to it;
+  ``None`` leaves them. (FSDP2: the same.)
 - ``cast_forward_inputs``: cast floating-point forward inputs of every unit to
-  ``param_dtype``.
+  ``param_dtype``. (FSDP2: the same.)
+
+``resolve_mp_policy`` accepts ours or PyTorch's
+``torch.distributed.fsdp.MixedPrecisionPolicy`` and returns ours (``from_fsdp2``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed.fsdp as torch_fsdp
+from torch.utils._pytree import tree_map
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# PyTorch's FSDP2 policy (torch >= 2.4); None where this torch has no FSDP2.
+TorchMixedPrecisionPolicy: type | None = getattr(torch_fsdp, "MixedPrecisionPolicy", None)
 
 
 @dataclass(frozen=True)
@@ -31,19 +42,42 @@ class MixedPrecisionPolicy:
     main_grads_dtype: torch.dtype | None = None
     grad_comm_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    output_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
+        for name in ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype", "output_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _FLOATS:
                 valid = ", ".join(str(d) for d in _FLOATS)
                 raise ValueError(f"MixedPrecisionPolicy.{name}={value!r} is not a floating-point dtype ({valid})")
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(
+                f"MixedPrecisionPolicy.cast_forward_inputs must be True or False, got {self.cast_forward_inputs!r}"
+            )
         main, compute = self.main_params_dtype, self.param_dtype
         if main is not None and compute is not None and torch.finfo(main).bits < torch.finfo(compute).bits:
             raise ValueError(
                 f"MixedPrecisionPolicy: main_params_dtype={main} is less precise than param_dtype={compute}; "
                 "the optimizer's main weights must hold at least the compute weights' precision"
             )
+
+    @classmethod
+    def from_fsdp2(cls, policy: Any) -> MixedPrecisionPolicy:
+        """Ours for PyTorch's FSDP2 ``MixedPrecisionPolicy``, with FSDP2's meaning.
+
+        Main weights and gradients keep each parameter's dtype (FSDP2 steps the
+        sharded parameters in their own dtype); ``reduce_dtype`` is our
+        ``grad_comm_dtype``, and its ``None`` means ``param_dtype`` as in FSDP2.
+        """
+        reduce_dtype = policy.reduce_dtype if policy.reduce_dtype is not None else policy.param_dtype
+        return cls(
+            param_dtype=policy.param_dtype,
+            main_params_dtype=None,
+            main_grads_dtype=None,
+            grad_comm_dtype=reduce_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs,
+            output_dtype=getattr(policy, "output_dtype", None),
+        )
 
     def dtypes_for(self, original: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype, torch.dtype]:
         """(compute, main, main grad, grad comm) dtypes for a parameter of dtype ``original``."""
@@ -53,3 +87,38 @@ class MixedPrecisionPolicy:
         main = self.main_params_dtype or original
         grads = self.main_grads_dtype or main
         return compute, main, grads, self.grad_comm_dtype or grads
+
+    def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with floating-point tensors in ``param_dtype`` (if ``cast_forward_inputs``)."""
+        if self.param_dtype is None or not self.cast_forward_inputs:
+            return args, kwargs
+        return cast_floating((args, kwargs), self.param_dtype)
+
+    def cast_outputs(self, output: Any) -> Any:
+        """``output`` with floating-point tensors in ``output_dtype`` (unchanged if it is None)."""
+        if self.output_dtype is None:
+            return output
+        return cast_floating(output, self.output_dtype)
+
+
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Every floating-point tensor in ``tree`` (lists, tuples, dicts, namedtuples) cast to ``dtype``."""
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
+
+
+def resolve_mp_policy(policy: Any, *, where: str = "fully_shard") -> MixedPrecisionPolicy | None:
+    """Ours, for ``None``, ours, or PyTorch's FSDP2 ``MixedPrecisionPolicy``; TypeError otherwise."""
+    if policy is None or isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    if TorchMixedPrecisionPolicy is not None and isinstance(policy, TorchMixedPrecisionPolicy):
+        return MixedPrecisionPolicy.from_fsdp2(policy)
+    raise TypeError(
+        f"{where}: mp_policy must be a megatron_fsdp.MixedPrecisionPolicy or a "
+        f"torch.distributed.fsdp.MixedPrecisionPolicy, got {type(policy).__name__}"
+    )

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,7 +21,7 @@ from megatron_fsdp.core import step_guard
 from megatron_fsdp.core.grad_scaling import resolve_grad_scaling
 from megatron_fsdp.core.lookup import units_of
 from megatron_fsdp.core.meta_init import META_BUFFERS
-from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.core.mixed_precision import resolve_mp_policy
 from megatron_fsdp.core.module import FSDPModule, make_fsdp_module
 from megatron_fsdp.core.offload import resolve_offload_policy
 from megatron_fsdp.core.options import EngineOptions, resolve_options
@@ -27,10 +29,13 @@ from megatron_fsdp.core.param_group import ParamGroup, ParamRef
 from megatron_fsdp.core.post_forward_shard import check_post_forward_size, post_forward_mesh
 from megatron_fsdp.core.unit import FSDPUnit
 from megatron_fsdp.core.validation import (
+    check_ignored_params,
     check_optional_name,
-    check_reshard_after_forward,
     check_same_across_ranks,
+    check_shard_placement,
     param_signature,
+    resolve_dp_mesh_dims,
+    resolve_reshard_after_forward,
 )
 from megatron_fsdp.sharding.layout import partition_for_padding
 from megatron_fsdp.sharding.mesh import OUTER_STRATEGIES, DataParallelMesh, resolve_mesh, resolve_outer_strategy
@@ -60,18 +65,21 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def _collect_params(module: nn.Module) -> list[ParamRef]:
-    """Parameters of ``module``'s subtree not owned by a sharded descendant, in order."""
+def _collect_params(modules: list[nn.Module], ignored: set[int], prefixes: list[str]) -> list[ParamRef]:
+    """Parameters of the modules' subtrees not owned by a sharded descendant nor ignored, in order.
+
+    ``prefixes`` name each module in messages (``""`` for a single module).
+    """
     refs: dict[int, ParamRef] = {}
     seen_modules: set[int] = set()
-    stack: list[tuple[str, nn.Module]] = [("", module)]
+    stack: list[tuple[str, nn.Module]] = list(reversed(list(zip(prefixes, modules))))
     while stack:
         prefix, mod = stack.pop()
         if id(mod) in seen_modules:
             continue
         seen_modules.add(id(mod))
         for name, param in mod._parameters.items():
-            if param is None:
+            if param is None or id(param) in ignored:
                 continue
             fqn = f"{prefix}{name}"
             if getattr(param, "_megatron_fsdp_sharded", False) or getattr(param, "_megatron_fsdp_managed", False):
@@ -92,8 +100,7 @@ def _collect_params(module: nn.Module) -> list[ParamRef]:
     return list(refs.values())
 
 
-def _validate_params(module: nn.Module, refs: list[ParamRef]) -> None:
-    name = type(module).__name__
+def _validate_params(name: str, refs: list[ParamRef]) -> None:
     devices = {ref.param.device for ref in refs}
     if len(devices) > 1:
         detail = ", ".join(f"'{r.fqn}' on {r.param.device}" for r in refs)
@@ -102,39 +109,74 @@ def _validate_params(module: nn.Module, refs: list[ParamRef]) -> None:
         )
 
 
+def _root_modules(module: nn.Module | list[nn.Module] | tuple[nn.Module, ...]) -> list[nn.Module]:
+    """The module, or the modules of a list that no other listed module contains (FSDP2's root modules)."""
+    if isinstance(module, nn.Module):
+        modules = [module]
+    elif isinstance(module, (list, tuple)):
+        if not module:
+            raise ValueError("fully_shard got an empty list of modules; pass at least one nn.Module")
+        for i, mod in enumerate(module):
+            if not isinstance(mod, nn.Module):
+                raise TypeError(f"fully_shard: modules[{i}] is a {type(mod).__name__}, not an nn.Module")
+        modules = list({id(m): m for m in module}.values())
+        contained = {id(sub) for m in modules for sub in m.modules() if sub is not m}
+        modules = [m for m in modules if id(m) not in contained]
+    else:
+        raise TypeError(
+            f"fully_shard expects an nn.Module or a list of nn.Module (one unit), got {type(module).__name__}"
+        )
+    for mod in modules:
+        if isinstance(mod, FSDPModule):
+            raise ValueError(
+                f"fully_shard was already applied to this {type(mod).__name__}; apply it once per module"
+            )
+        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and type(mod).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard does not take a {type(mod).__name__} (a container without forward, whose hooks "
+                "never run): shard its members, or pass them as a list to make them one unit"
+            )
+    return modules
+
+
 def shard_module(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     sharding_strategy: str | int | ShardingPlan = "optim_grads_params",
-    reshard_after_forward: bool | int = True,
+    reshard_after_forward: bool | int | None = True,
     gradient_scaling: str | float = "mean",
     outer_sharding_strategy: str = "no_shard",
     dp_shard_dim: str | None = None,
     dp_outer_dim: str | None = None,
-    mp_policy: MixedPrecisionPolicy | None = None,
+    mp_policy: Any = None,
     options: EngineOptions | None = None,
     offload_policy: OffloadPolicy | None = None,
-) -> nn.Module:
+    ignored_params: set[nn.Parameter] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    dp_mesh_dims: Any = None,
+) -> nn.Module | list[nn.Module]:
     """The per-module ``fully_shard``: shard ``module``'s parameters and make it an ``FSDPModule``.
 
     ``megatron_fsdp.fully_shard`` documents the arguments; it calls this unless its
-    arguments select the whole-model form. Returns ``module``.
+    arguments select the whole-model form. ``module`` may be a list of modules whose
+    parameters form one unit (FSDP2's ``fully_shard([a, b])``): each becomes an
+    ``FSDPModule`` of that one unit. Returns ``module`` (the list, for a list).
     """
     _require_distributed()
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
+    modules = _root_modules(module)
+    label = type(modules[0]).__name__ if len(modules) == 1 else f"[{', '.join(type(m).__name__ for m in modules)}]"
     resolved = resolve_options(options)
-    for child in units_of(module):  # before anything changes: the units under it take its options
-        child.check_enclosing_options(resolved, f"fully_shard({type(module).__name__}, options=...)")
+    for mod in modules:
+        for child in units_of(mod):  # before anything changes: the units under it take its options
+            child.check_enclosing_options(resolved, f"fully_shard({label}, options=...)")
     plan = resolve_strategy(sharding_strategy)
-    reshard_after_forward = check_reshard_after_forward(reshard_after_forward, allow_int=True)
+    reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, allow_int=True)
     offload = resolve_offload_policy(offload_policy)
     scaling = resolve_grad_scaling(gradient_scaling)
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a megatron_fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    mp_policy = resolve_mp_policy(mp_policy)
+    ignored = check_ignored_params(ignored_params)
+    dp_shard_dim, dp_outer_dim = resolve_dp_mesh_dims(dp_mesh_dims, dp_shard_dim, dp_outer_dim)
     if not isinstance(outer_sharding_strategy, str):
         raise TypeError(
             f"outer_sharding_strategy must be one of {OUTER_STRATEGIES} (a str), got {outer_sharding_strategy!r}"
@@ -163,18 +205,20 @@ def shard_module(
         if plan.params and 1 < reshard_after_forward < dp_mesh.shard_size:
             post_forward = post_forward_mesh(dp_mesh.shard_group, reshard_after_forward)
         reshard_after_forward = reshard_after_forward > 1
-    refs = _collect_params(module)
-    _validate_params(module, refs)
+    prefixes = [""] if len(modules) == 1 else [f"modules[{i}]." for i in range(len(modules))]
+    refs = _collect_params(modules, ignored, prefixes)
+    _validate_params(label, refs)
+    check_shard_placement(shard_placement_fn, [(ref.fqn, ref.param) for ref in refs if not ref.replicated])
     device = mesh_device(dp_mesh.mesh)
     groups = [dp_mesh.shard_group] + ([dp_mesh.outer_group] if dp_mesh.has_outer else [])
     signatures = [param_signature(ref.fqn, ref.param, ref.replicated) for ref in refs]
-    check_same_across_ranks(type(module).__name__, signatures, groups, device)
+    check_same_across_ranks(label, signatures, groups, device)
     if refs and all(ref.replicated for ref in refs):
         # Only replicated (0-dim or fsdp_no_shard) parameters: still a unit, so their
         # gradients are all-reduced like DDP's; nothing to gather or shard.
         plan = STRATEGIES["no_shard"]
 
-    unit = FSDPUnit(module, plan, reshard_after_forward, scaling, mp_policy, options)
+    unit = FSDPUnit(modules[0], plan, reshard_after_forward, scaling, mp_policy, options, others=modules[1:])
     by_kind: dict[tuple[torch.dtype, bool, bool], list[ParamRef]] = {}
     for ref in refs:
         by_kind.setdefault((ref.param.dtype, ref.param.requires_grad, ref.replicated), []).append(ref)
@@ -190,13 +234,17 @@ def shard_module(
     for group in unit.groups:  # lets optimizer wrappers and grad-norm code find the engine from a parameter
         for param in group.sharded_params:
             param._megatron_fsdp_unit = weakref.ref(unit)
-    for child in units_of(module):  # the units already under it run with its options (core/options.py)
-        child.adopt(unit)
-    _move_buffers(module, device)
+    for mod in modules:
+        for child in units_of(mod):  # the units already under it run with its options (core/options.py)
+            if child is not unit:
+                child.adopt(unit)
+        _move_buffers(mod, device)
+        mod.register_state_dict_pre_hook(unit.release_before_state_dict)
+        mod.register_load_state_dict_pre_hook(unit.prepare_state_dict_for_load)
     step_guard.watch(unit)
-    module.register_state_dict_pre_hook(unit.release_before_state_dict)
-    module.register_load_state_dict_pre_hook(unit.prepare_state_dict_for_load)
-    return make_fsdp_module(module, unit)
+    for mod in modules:
+        make_fsdp_module(mod, unit)
+    return module
 
 
 def _split_for_padding(refs: list[ParamRef], plan: ShardingPlan, dp: DataParallelMesh) -> list[list[ParamRef]]:

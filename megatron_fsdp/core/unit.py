@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from megatron_fsdp.comm.collectives import CommConfig, CommStats
 from megatron_fsdp.comm.profiling import REDUCE_ISSUE, REDUCE_WAIT, RESHARD, UNSHARD_ISSUE, UNSHARD_WAIT, trace_range
 from megatron_fsdp.core.grad_scaling import GradScaling
-from megatron_fsdp.core.lookup import units_of
+from megatron_fsdp.core.lookup import unit_of, units_of
 from megatron_fsdp.core.meta_init import materialize_meta
 from megatron_fsdp.core.microbatch import MicrobatchFlags
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
@@ -56,6 +57,21 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+def _own_module_names(module: nn.Module) -> dict[int, str]:
+    """``id -> name`` of ``module`` and its submodules, not descending into other units (pre-order)."""
+    names: dict[int, str] = {}
+    stack = [("", module)]
+    while stack:
+        name, mod = stack.pop()
+        if id(mod) in names:
+            continue
+        names[id(mod)] = name
+        children = [(f"{name}.{n}" if name else n, c) for n, c in mod._modules.items()
+                    if c is not None and unit_of(c) is None]
+        stack.extend(reversed(children))
+    return names
+
+
 class FSDPUnit:
     """Hooks and state of one sharded module."""
 
@@ -67,8 +83,12 @@ class FSDPUnit:
         grad_scaling: GradScaling,
         mp_policy: MixedPrecisionPolicy | None = None,
         options: EngineOptions | None = None,
+        others: Sequence[nn.Module] = (),
     ) -> None:
         self._module = weakref.ref(module)
+        # fully_shard([a, b, ...]): one unit over several modules; ``module`` is the first.
+        self._modules = [weakref.ref(m) for m in (module, *others)]
+        self._to_run: set[int] = set()  # grouped: modules whose forward has not run yet in this pass
         # Engine options (core/options.py); an enclosing fully_shard replaces them with
         # its own (``adopt``), so every unit runs with its root's. ``options_given``:
         # passed explicitly, so an enclosing fully_shard must agree with them.
@@ -89,8 +109,9 @@ class FSDPUnit:
         self.state = TrainingState.IDLE
         self.forward_grad_calls = 0  # forwards with grad enabled since the last backward
         self._reshard_when_complete = False
-        module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self.post_forward, always_call=True)
+        for mod in (module, *others):
+            mod.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+            mod.register_forward_hook(self.post_forward, always_call=True)
 
     def check_enclosing_options(self, options: EngineOptions, where: str) -> None:
         """Raise if this unit was given options that differ from an enclosing unit's in a root field.
@@ -125,6 +146,13 @@ class FSDPUnit:
         module = self._module()
         assert module is not None, "FSDPUnit outlived its module"
         return module
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """The modules this unit shards: one, or several for ``fully_shard([a, b, ...])``."""
+        modules = [ref() for ref in self._modules]
+        assert all(m is not None for m in modules), "FSDPUnit outlived its module"
+        return modules
 
     @property
     def is_root(self) -> bool:
@@ -191,23 +219,39 @@ class FSDPUnit:
             self.reshard()
 
     def prepare_state_dict_for_load(self, module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
-        """``load_state_dict`` pre-hook: re-cut incoming values into our shards."""
+        """``load_state_dict`` pre-hook: re-cut incoming values into our shards.
+
+        Keys are found through the (module, attribute) uses under ``module``: a
+        grouped unit registers this hook on each of its modules, and each sees
+        only the parameters registered under itself.
+        """
+        names = _own_module_names(module)
         for group in self.groups:
             for index, ref in enumerate(group.refs):
-                for fqn in ref.fqns:
-                    key = prefix + fqn
+                for owner, attr in ref.uses:
+                    if id(owner) not in names:
+                        continue
+                    key = prefix + (f"{names[id(owner)]}." if names[id(owner)] else "") + attr
                     if key in state_dict:
                         state_dict[key] = group.loadable(index, state_dict[key], key)
         self.mark_weights_stale()  # the main weights are about to change
 
     # -- forward ------------------------------------------------------------
     def _lazy_init_root(self) -> None:
+        if len(self._modules) > 1:
+            names = ", ".join(type(m).__name__ for m in self.modules)
+            raise RuntimeError(
+                f"fully_shard([{names}]) ran forward before any unit enclosing it: a unit over several modules "
+                "cannot be the root; apply fully_shard to a module that encloses them (the model) as well"
+            )
         RootState(self, units_of(self.module))
         materialize_meta(self.module)  # no-op unless built on the meta device
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.root_state is None:
             self._lazy_init_root()
+        if len(self._modules) > 1 and not self._to_run and self.state is not TrainingState.BACKWARD:
+            self._to_run = {id(m) for m in self.modules}  # grouped: a pass over the modules starts
         for group in self.groups:
             group.check_unchanged()
         if self.state is not TrainingState.BACKWARD:
@@ -224,13 +268,10 @@ class FSDPUnit:
         return args, kwargs
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        policy = self.mp_policy
-        if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
-            return args, kwargs
-        dtype = policy.param_dtype
-        flat, spec = tree_flatten((args, kwargs))
-        flat = [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in flat]
-        return tree_unflatten(flat, spec)
+        return (args, kwargs) if self.mp_policy is None else self.mp_policy.cast_inputs(args, kwargs)
+
+    def _cast_outputs(self, output: Any) -> Any:
+        return output if self.mp_policy is None else self.mp_policy.cast_outputs(output)
 
     def mark_weights_stale(self) -> None:
         """Main weights may have changed: refresh and re-gather before the next use."""
@@ -252,7 +293,26 @@ class FSDPUnit:
         if self.state is TrainingState.BACKWARD:
             # Recomputation inside backward (activation checkpointing): the
             # unit's backward still needs its weights.
-            return output
+            return self._cast_outputs(output)
+        if len(self._modules) > 1:
+            # Grouped: the pass ends with the last of its modules (FSDP2's semantics);
+            # a module run again within the pass only casts its output.
+            if id(module) not in self._to_run:
+                return self._cast_outputs(output)
+            self._to_run.discard(id(module))
+            if self._to_run:
+                return self._cast_outputs(output)
+        if self.is_root:
+            # Grouped units whose modules did not all run (e.g. a loss head called
+            # after the model's forward) end their pass with the root's.
+            for unit in self.root_state.units:
+                if unit._to_run and unit is not self:
+                    unit._to_run = set()
+                    output = unit._end_forward_pass(output)
+        return self._end_forward_pass(output)
+
+    def _end_forward_pass(self, output: Any) -> Any:
+        """Reshard (ZeRO-3, non-root), arm the pre-backward hook on ``output``, cast it."""
         if self.plan.params and self.reshard_after_forward and not self.is_root:
             self.reshard()
         self.state = TrainingState.IDLE
@@ -262,7 +322,7 @@ class FSDPUnit:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self.pre_backward, mode="any")
-        return output
+        return self._cast_outputs(output)
 
     # -- backward -----------------------------------------------------------
     def pre_backward(self, *_: Any) -> None:
@@ -314,4 +374,5 @@ class FSDPUnit:
             group.end_backward()
         self.forward_grad_calls = 0
         self._reshard_when_complete = False
+        self._to_run = set()
         self.state = TrainingState.IDLE

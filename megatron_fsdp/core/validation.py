@@ -17,11 +17,17 @@ fake process group the all-reduce returns its input, which reads as "equal".
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
+from torch import nn
+from torch.distributed.tensor import Shard
+
+# torch 2.13's FSDP2 ``DataParallelMeshDims``; None on a torch without it (2.11).
+DataParallelMeshDims: type | None = getattr(torch_fsdp, "DataParallelMeshDims", None)
 
 _FINGERPRINT_MASK = (1 << 62) - 1  # non-negative and negatable without int64 overflow
 
@@ -53,6 +59,102 @@ def check_reshard_after_forward(value: Any, *, where: str = "fully_shard", allow
             )
         return value
     return check_bool("reshard_after_forward", value, where=where)
+
+
+def resolve_reshard_after_forward(value: Any, *, where: str = "fully_shard", allow_int: bool = False) -> bool | int:
+    """FSDP2's default ``None`` (True for non-root units, False for the root) is True here.
+
+    The root unit never reshards after forward whatever the flag (its weights are
+    needed first in backward), so ``None`` and ``True`` behave alike on every unit.
+    """
+    return True if value is None else check_reshard_after_forward(value, where=where, allow_int=allow_int)
+
+
+def check_ignored_params(value: Any) -> set[int]:
+    """FSDP2's ``ignored_params``: a set (or other iterable) of parameters; their ids."""
+    if value is None:
+        return set()
+    if isinstance(value, (torch.Tensor, nn.Module, str)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"fully_shard: ignored_params must be a set of nn.Parameter (or None), got {type(value).__name__}"
+        )
+    ids = set()
+    for param in value:
+        if not isinstance(param, nn.Parameter):
+            raise TypeError(f"fully_shard: ignored_params holds a {type(param).__name__}; it takes nn.Parameter only")
+        ids.add(id(param))
+    return ids
+
+
+def check_shard_placement(fn: Callable[[nn.Parameter], Any] | None, named_params: Iterable[tuple[str, Any]]) -> None:
+    """FSDP2's ``shard_placement_fn``: only dim-0 sharding (``None`` or ``Shard(0)``) is what we build.
+
+    Our layout gives each rank whole dim-0 rows (``RaggedShard(0)``, docs/design.md
+    section 3), the equivalent of FSDP2's default ``Shard(0)``. Any other answer is
+    refused, naming the parameter, rather than silently sharded on dim 0.
+    """
+    if fn is None:
+        return
+    if not callable(fn):
+        raise TypeError(f"fully_shard: shard_placement_fn must be callable or None, got {type(fn).__name__}")
+    for name, param in named_params:
+        placement = fn(param)
+        if placement is None:
+            continue
+        if isinstance(placement, Shard):
+            if placement.dim == 0 or (param.dim() > 0 and placement.dim == -param.dim()):
+                continue
+            raise NotImplementedError(
+                f"fully_shard: shard_placement_fn returned Shard({placement.dim}) for parameter '{name}' "
+                f"(shape {tuple(param.shape)}); only dim-0 sharding is implemented (None or Shard(0)): "
+                "megatron_fsdp shards whole rows of dim 0"
+            )
+        if type(placement).__name__ == "ShardPlacementResult":
+            raise NotImplementedError(
+                f"fully_shard: shard_placement_fn returned a ShardPlacementResult (a per-parameter mesh) for "
+                f"parameter '{name}'; per-parameter meshes are not implemented: return None or Shard(0)"
+            )
+        raise TypeError(
+            f"fully_shard: shard_placement_fn returned {placement!r} for parameter '{name}'; expected None or "
+            "a torch.distributed.tensor.Shard"
+        )
+
+
+def _single_name(field: str, value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    names = tuple(value)
+    if len(names) == 1 and isinstance(names[0], str):
+        return names[0]
+    raise NotImplementedError(
+        f"fully_shard: dp_mesh_dims.{field}={value!r}: flattening several mesh dimensions into one "
+        "data-parallel dimension is not implemented; name one dimension (or flatten the mesh first)"
+    )
+
+
+def resolve_dp_mesh_dims(
+    dp_mesh_dims: Any, dp_shard_dim: str | None, dp_outer_dim: str | None
+) -> tuple[str | None, str | None]:
+    """FSDP2's ``DataParallelMeshDims(shard=, replicate=)`` as our ``(dp_shard_dim, dp_outer_dim)``."""
+    if dp_mesh_dims is None:
+        return dp_shard_dim, dp_outer_dim
+    if DataParallelMeshDims is None or not isinstance(dp_mesh_dims, DataParallelMeshDims):
+        raise TypeError(
+            f"fully_shard: dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, got "
+            f"{type(dp_mesh_dims).__name__} (or use dp_shard_dim=/dp_outer_dim=)"
+        )
+    if dp_shard_dim is not None or dp_outer_dim is not None:
+        raise ValueError(
+            "fully_shard: pass dp_mesh_dims or dp_shard_dim/dp_outer_dim, not both (they name the same dimensions)"
+        )
+    shard = _single_name("shard", dp_mesh_dims.shard)
+    replicate = _single_name("replicate", dp_mesh_dims.replicate)
+    if shard is None:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims with replicate={replicate!r} and no shard dimension (FSDP2's replicate-only "
+            f"data parallelism): use dp_shard_dim={replicate!r} with sharding_strategy='no_shard'"
+        )
+    return shard, replicate
 
 
 def check_optional_name(argument: str, value: Any) -> str | None:
