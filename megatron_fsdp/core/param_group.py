@@ -139,7 +139,6 @@ class ParamGroup:
         first = refs[0].param
         policy = policy or MixedPrecisionPolicy(main_params_dtype=None)
         self.compute_dtype, self.dtype, self.grad_dtype, self.comm_dtype = policy.dtypes_for(first.dtype)
-        self.requires_grad = first.requires_grad
         self.layout: FlatLayout = build_flat_layout([tuple(r.param.shape) for r in refs], self.shard_world)
         self._on_grads_ready = on_grads_ready
 
@@ -168,6 +167,10 @@ class ParamGroup:
             if self.gathers
             else None
         )
+        # Trainable parameters (gradient hooks, views into the grad buffer). Follows the
+        # sharded parameters' requires_grad at every forward (follow_requires_grad).
+        self._grad_indices = {i for i, r in enumerate(refs) if r.param.requires_grad}
+        self._hooked: set[int] = set()  # unsharded parameters with a post-accumulate-grad hook
         self.sharded_params = [self._make_sharded_param(i) for i in range(len(refs))]
         self.unsharded_params = [self._make_unsharded_param(i) for i in range(len(refs))]
         if self.unsharded is not None:
@@ -181,7 +184,6 @@ class ParamGroup:
             ref.param = nn.Parameter(torch.empty_like(ref.param, device="meta"), ref.param.requires_grad)
 
         self.grad_buffer: torch.Tensor | None = None
-        self._grad_indices = {i for i, r in enumerate(refs) if r.param.requires_grad}
         self._grads_seen: set[int] = set()
         self.reduced_this_backward = False
         self.received_grads = False  # a gradient arrived here in this backward
@@ -291,12 +293,44 @@ class ParamGroup:
                              requires_grad=self.refs[index].param.requires_grad)
         copy_param_attributes(self.refs[index].param, param)
         if param.requires_grad:
-            param.register_post_accumulate_grad_hook(partial(self._on_grad_accumulated, index))
+            self._hook(index, param)
         return param
+
+    def _hook(self, index: int, param: nn.Parameter) -> None:
+        if index not in self._hooked:
+            param.register_post_accumulate_grad_hook(partial(self._on_grad_accumulated, index))
+            self._hooked.add(index)
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether any parameter of the group is trainable now."""
+        return bool(self._grad_indices)
+
+    def follow_requires_grad(self) -> None:
+        """Give the compute-time parameters the sharded parameters' ``requires_grad``.
+
+        The sharded parameters are the ones users see, so that is where a parameter is
+        frozen or unfrozen after ``fully_shard`` (FSDP2 allows it: fine-tuning, BitFit).
+        Without this the module computed with the old flag: autograd still produced the
+        frozen weight's gradient and the optimizer updated it.
+        """
+        for index, (sharded, unsharded) in enumerate(zip(self.sharded_params, self.unsharded_params)):
+            flag = sharded.requires_grad
+            if unsharded.requires_grad == flag:
+                continue
+            unsharded.requires_grad_(flag)
+            if flag:
+                self._hook(index, unsharded)
+                self._grad_indices.add(index)
+            else:
+                self._grad_indices.discard(index)
+                unsharded.__dict__.pop("main_grad", None)
+            self._grads_seen.clear()
 
     # -- weights ------------------------------------------------------------
     def check_unchanged(self) -> None:
-        """Fail loudly if the user replaced or reshaped a parameter after wrapping."""
+        """Fail loudly if the user replaced or reshaped a parameter after wrapping; follow ``requires_grad``."""
+        self.follow_requires_grad()
         for i, (ref, sharded, unsharded) in enumerate(zip(self.refs, self.sharded_params, self.unsharded_params)):
             for module, name in ref.uses:
                 current = module._parameters.get(name)
