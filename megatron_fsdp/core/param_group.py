@@ -184,6 +184,10 @@ class ParamGroup:
             ref.param = nn.Parameter(torch.empty_like(ref.param, device="meta"), ref.param.requires_grad)
 
         self.grad_buffer: torch.Tensor | None = None
+        # A gradient went into grad_buffer since it was last reduced or dropped. The buffer
+        # alone proves nothing: pre_backward allocates it (main_grad views) before any
+        # gradient arrives, and a parameter whose output is unused never gets one.
+        self.holds_grads = False
         self._grads_seen: set[int] = set()
         self.reduced_this_backward = False
         self.received_grads = False  # a gradient arrived here in this backward
@@ -475,6 +479,7 @@ class ParamGroup:
             param.grad = None
         self._grads_seen.add(index)
         self.received_grads = True
+        self.holds_grads = True
         if self._grads_seen == self._grad_indices:
             self._grads_seen.clear()
             self.grads_complete = True
@@ -483,6 +488,7 @@ class ParamGroup:
     def discard_unreduced_grads(self) -> None:
         """Drop gradients accumulated but not reduced yet (``zero_grad_buffer``)."""
         self.grad_buffer = None
+        self.holds_grads = False
         self._drop_main_grads()
         self.end_backward()
 
@@ -510,6 +516,7 @@ class ParamGroup:
                 return None
             self.grad_buffer = grad_buffers.zeros(self.layout.total_numel, self.grad_dtype, self.shard.device)
         buffer, self.grad_buffer = self.grad_buffer, None
+        self.holds_grads = False
         self._drop_main_grads()
         self.reduced_this_backward = True
         scaling.apply(buffer, self.dp.size)
