@@ -25,7 +25,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_fsdp.comm.collectives import DEFAULT_COMM, CommConfig, Pending, all_gather, all_reduce, reduce_scatter
 from megatron_fsdp.core.grad_scaling import GradScaling
@@ -36,7 +36,7 @@ from megatron_fsdp.memory.buffer import FlatBuffer
 from megatron_fsdp.sharding.layout import FlatLayout, build_flat_layout
 from megatron_fsdp.sharding.mesh import DataParallelMesh
 from megatron_fsdp.sharding.outer_shard import gather_compute_shard, outer_shard_geometry
-from megatron_fsdp.sharding.ragged_shard import RaggedShard, full_tensor
+from megatron_fsdp.sharding.ragged_shard import RaggedShard, full_tensor, shard_sizes
 from megatron_fsdp.sharding.strategy import ShardingPlan
 
 _SKIPPED_ATTRS = {"_is_param", "main_grad", "grad_added_to_main_grad"}
@@ -236,9 +236,35 @@ class ParamGroup:
                 type(a) is type(b) for a, b in zip(value.placements, self._placements(index))
             ):
                 return value  # already in our layout (a sharded state dict of this model)
+            if self._holds_our_rows(value, index):
+                local = value.to_local().detach().to(device=self.shard.device, dtype=self.dtype)
+                return self.as_dtensor(index, local.contiguous())
             value = full_tensor(value)
         local = self._local_rows(value.detach().to(device=self.shard.device, dtype=self.dtype), index)
         return self.as_dtensor(index, local.contiguous())
+
+    def _holds_our_rows(self, value: DTensor, index: int) -> bool:
+        """Whether ``value``'s local pieces are exactly this rank's rows of parameter ``index``.
+
+        An out-of-place op on one of our shards (``sd[k].clone()``, ``.to(dtype)``, ``p * 2``,
+        as FSDP2 users do to state dicts) comes back labelled plain ``Shard(0)`` with our
+        ragged pieces (docs/design.md section 3); gathering it as ``torch.chunk`` pieces
+        would be wrong, and refusing it broke such loads. When every rank's row count
+        matches our layout, the pieces are ours and are taken as they are. One small
+        all-gather per sharded mesh dim; every rank takes the same branch.
+        """
+        ours = self._placements(index)
+        if value.device_mesh != self.dp.mesh or len(value.placements) != len(ours):
+            return False
+        for mesh_dim, (theirs, mine) in enumerate(zip(value.placements, ours)):
+            if isinstance(mine, RaggedShard):
+                if type(theirs) is not Shard or theirs.dim != 0 or mine.order != tuple(range(len(mine.order))):
+                    return False
+                if shard_sizes(value, mesh_dim) != list(mine.local_sizes):
+                    return False
+            elif not isinstance(theirs, Replicate):
+                return False
+        return True
 
     def _placements(self, index: int) -> list:
         if self.outer is not None:
