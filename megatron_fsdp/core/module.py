@@ -16,6 +16,7 @@ from torch import nn
 from megatron_fsdp.comm.collectives import CommStats
 from megatron_fsdp.core.grad_scaling import resolve_grad_scaling
 from megatron_fsdp.core.lookup import UNIT_ATTR, units_of
+from megatron_fsdp.core.meta_init import META_BUFFERS
 from megatron_fsdp.core.options import EngineOptions
 from megatron_fsdp.core.unit import FSDPUnit
 from megatron_fsdp.core.validation import check_bool, check_reshard_after_forward
@@ -60,7 +61,13 @@ class FSDPModule:
                 return group.as_dtensor(index, fn(tensor.to_local()))
             return fn(tensor)
 
-        return super()._apply(on_local_pieces, recurse)  # type: ignore[misc]
+        result = super()._apply(on_local_pieces, recurse)  # type: ignore[misc]
+        # Buffers built on meta were replaced too (to_empty): whoever called this initialises
+        # them (reset_parameters after to_empty, FSDP2's idiom), as ``applied`` says for the
+        # parameters; materialize_meta must not re-initialise them over the caller's values.
+        for module in self.modules():
+            module.__dict__.pop(META_BUFFERS, None)
+        return result
 
     @property
     def fsdp_options(self) -> EngineOptions:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_fsdp.comm.collectives import DEFAULT_COMM, CommConfig, Pending, all_gather, all_reduce, reduce_scatter
 from megatron_fsdp.core.grad_scaling import GradScaling
@@ -46,7 +46,7 @@ from megatron_fsdp.memory.grad_buffers import GradSpares
 from megatron_fsdp.sharding.layout import FlatLayout, build_flat_layout
 from megatron_fsdp.sharding.mesh import DataParallelMesh
 from megatron_fsdp.sharding.outer_shard import gather_compute_shard, outer_shard_geometry
-from megatron_fsdp.sharding.ragged_shard import RaggedShard, full_tensor
+from megatron_fsdp.sharding.ragged_shard import RaggedShard, full_tensor, shard_sizes
 from megatron_fsdp.sharding.strategy import ShardingPlan
 
 _SKIPPED_ATTRS = {"_is_param", "main_grad", "grad_added_to_main_grad"}
@@ -160,7 +160,6 @@ class ParamGroup:
         first = refs[0].param
         policy = policy or MixedPrecisionPolicy(main_params_dtype=None)
         self.compute_dtype, self.dtype, self.grad_dtype, self.comm_dtype = policy.dtypes_for(first.dtype)
-        self.requires_grad = first.requires_grad
         self.layout: FlatLayout = build_flat_layout([tuple(r.param.shape) for r in refs], self.shard_world)
         self._on_grads_ready = on_grads_ready
 
@@ -200,6 +199,10 @@ class ParamGroup:
             if self.gathers
             else None
         )
+        # Trainable parameters (gradient hooks, views into the grad buffer). Follows the
+        # sharded parameters' requires_grad at every forward (follow_requires_grad).
+        self._grad_indices = {i for i, r in enumerate(refs) if r.param.requires_grad}
+        self._hooked: set[int] = set()  # unsharded parameters with a post-accumulate-grad hook
         self.sharded_params = [self._make_sharded_param(i) for i in range(len(refs))]
         self.unsharded_params = [self._make_unsharded_param(i) for i in range(len(refs))]
         if self.unsharded is not None:
@@ -213,7 +216,10 @@ class ParamGroup:
             ref.param = nn.Parameter(torch.empty_like(ref.param, device="meta"), ref.param.requires_grad)
 
         self.grad_buffer: torch.Tensor | None = None
-        self._grad_indices = {i for i, r in enumerate(refs) if r.param.requires_grad}
+        # A gradient went into grad_buffer since it was last reduced or dropped. The buffer
+        # alone proves nothing: pre_backward allocates it (main_grad views) before any
+        # gradient arrives, and a parameter whose output is unused never gets one.
+        self.holds_grads = False
         self._grads_seen: set[int] = set()
         self.reduced_this_backward = False
         self.received_grads = False  # a gradient arrived here in this backward
@@ -262,9 +268,35 @@ class ParamGroup:
                 type(a) is type(b) for a, b in zip(value.placements, self._placements(index))
             ):
                 return value  # already in our layout (a sharded state dict of this model)
+            if self._holds_our_rows(value, index):
+                local = value.to_local().detach().to(device=self.shard.device, dtype=self.dtype)
+                return self.as_dtensor(index, local.contiguous())
             value = full_tensor(value)
         local = self._local_rows(value.detach().to(device=self.shard.device, dtype=self.dtype), index)
         return self.as_dtensor(index, local.contiguous())
+
+    def _holds_our_rows(self, value: DTensor, index: int) -> bool:
+        """Whether ``value``'s local pieces are exactly this rank's rows of parameter ``index``.
+
+        An out-of-place op on one of our shards (``sd[k].clone()``, ``.to(dtype)``, ``p * 2``,
+        as FSDP2 users do to state dicts) comes back labelled plain ``Shard(0)`` with our
+        ragged pieces (docs/design.md section 3); gathering it as ``torch.chunk`` pieces
+        would be wrong, and refusing it broke such loads. When every rank's row count
+        matches our layout, the pieces are ours and are taken as they are. One small
+        all-gather per sharded mesh dim; every rank takes the same branch.
+        """
+        ours = self._placements(index)
+        if value.device_mesh != self.dp.mesh or len(value.placements) != len(ours):
+            return False
+        for mesh_dim, (theirs, mine) in enumerate(zip(value.placements, ours)):
+            if isinstance(mine, RaggedShard):
+                if type(theirs) is not Shard or theirs.dim != 0 or mine.order != tuple(range(len(mine.order))):
+                    return False
+                if shard_sizes(value, mesh_dim) != list(mine.local_sizes):
+                    return False
+            elif not isinstance(theirs, Replicate):
+                return False
+        return True
 
     def _placements(self, index: int) -> list:
         if self.outer is not None:
@@ -323,12 +355,44 @@ class ParamGroup:
                              requires_grad=self.refs[index].param.requires_grad)
         copy_param_attributes(self.refs[index].param, param)
         if param.requires_grad:
-            param.register_post_accumulate_grad_hook(partial(self._on_grad_accumulated, index))
+            self._hook(index, param)
         return param
+
+    def _hook(self, index: int, param: nn.Parameter) -> None:
+        if index not in self._hooked:
+            param.register_post_accumulate_grad_hook(partial(self._on_grad_accumulated, index))
+            self._hooked.add(index)
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether any parameter of the group is trainable now."""
+        return bool(self._grad_indices)
+
+    def follow_requires_grad(self) -> None:
+        """Give the compute-time parameters the sharded parameters' ``requires_grad``.
+
+        The sharded parameters are the ones users see, so that is where a parameter is
+        frozen or unfrozen after ``fully_shard`` (FSDP2 allows it: fine-tuning, BitFit).
+        Without this the module computed with the old flag: autograd still produced the
+        frozen weight's gradient and the optimizer updated it.
+        """
+        for index, (sharded, unsharded) in enumerate(zip(self.sharded_params, self.unsharded_params)):
+            flag = sharded.requires_grad
+            if unsharded.requires_grad == flag:
+                continue
+            unsharded.requires_grad_(flag)
+            if flag:
+                self._hook(index, unsharded)
+                self._grad_indices.add(index)
+            else:
+                self._grad_indices.discard(index)
+                unsharded.__dict__.pop("main_grad", None)
+            self._grads_seen.clear()
 
     # -- weights ------------------------------------------------------------
     def check_unchanged(self) -> None:
-        """Fail loudly if the user replaced or reshaped a parameter after wrapping."""
+        """Fail loudly if the user replaced or reshaped a parameter after wrapping; follow ``requires_grad``."""
+        self.follow_requires_grad()
         for i, (ref, sharded, unsharded) in enumerate(zip(self.refs, self.sharded_params, self.unsharded_params)):
             for module, name in ref.uses:
                 current = module._parameters.get(name)
@@ -516,6 +580,7 @@ class ParamGroup:
             param.grad = None
         self._grads_seen.add(index)
         self.received_grads = True
+        self.holds_grads = True
         if self._grads_seen == self._grad_indices:
             self._grads_seen.clear()
             self.grads_complete = True
@@ -524,6 +589,7 @@ class ParamGroup:
     def discard_unreduced_grads(self) -> None:
         """Drop gradients accumulated but not reduced yet (``zero_grad_buffer``)."""
         self.grad_buffer = None
+        self.holds_grads = False
         self._drop_main_grads()
         self.end_backward()
 
@@ -552,6 +618,7 @@ class ParamGroup:
                 return None
             self.grad_buffer = self.spares.zeros(self.layout.total_numel, self.grad_dtype, self.device)
         buffer, self.grad_buffer = self.grad_buffer, None
+        self.holds_grads = False
         self._drop_main_grads()
         self.reduced_this_backward = True
         scaling.apply(buffer, self.dp.size)

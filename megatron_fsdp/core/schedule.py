@@ -173,7 +173,7 @@ class CollectiveSchedule:
         flags = [False] * len(self.groups)
         for unit, ran in zip(self.units, ran_with_grad):
             for group in unit.groups:
-                if group.requires_grad and (ran or group.grad_buffer is not None):
+                if group.requires_grad and (ran or group.holds_grads):
                     flags[self.group_index[id(group)]] = True
         result = self._close(flags, [False] * len(self.groups))
         for unit in self.units:  # ZeRO-1/2 gathers nobody consumed: nothing outlives the forward
@@ -206,12 +206,12 @@ class CollectiveSchedule:
         reduction of zeros only (``PendingReduce.defer_install``) installs nothing
         where no rank had any, so those gradients stay ``None``.
         """
-        received = [g.received_grads or g.grad_buffer is not None for g in self.groups]
+        received = [g.received_grads or g.holds_grads for g in self.groups]
         extra = [False] * len(self.groups)
         ordered = {id(g) for g in self._reduce_order}
         for i, group in enumerate(self.groups):
             unit = self.unit_of[id(group)]
-            if not group.requires_grad or not unit.reduces_now or group.grad_buffer is None:
+            if not group.requires_grad or not unit.reduces_now or not group.holds_grads:
                 continue
             # grads arriving after this group's turn, or for a group outside the agreed order
             extra[i] = id(group) not in ordered or i in self._issued
@@ -441,7 +441,7 @@ class CollectiveSchedule:
         agreed order, with zeros from the ranks that hold nothing for it.
         """
         chosen = {id(g) for u in units for g in u.groups}
-        pending = [id(g) in chosen and g.requires_grad and g.grad_buffer is not None for g in self.groups]
+        pending = [id(g) in chosen and g.requires_grad and g.holds_grads for g in self.groups]
         result = self._round(active=False, extra=pending)
         order = [g for i in reversed(self.unit_order) for g in self.units[i].groups]
         self._reduce_log = []
@@ -468,7 +468,7 @@ class CollectiveSchedule:
 
     def _reduce(self, group: ParamGroup, *, install: bool = False) -> None:
         """Reduce ``group`` now (zeros if nothing is here); ``install``: some rank surely had gradients."""
-        if group.grad_buffer is not None:
+        if group.holds_grads:
             group.received_grads = True  # real contributions here (this backward or accumulated)
         reduce = group.reduce_grads(True, self.unit_of[id(group)].grad_scaling, zeros_if_none=True)
         reduce.defer_install = not (install or group.received_grads)

@@ -153,6 +153,16 @@ class RaggedShard(Shard):
         )
 
 
+def shard_sizes(tensor: DTensor, mesh_dim: int) -> list[int]:
+    """Every mesh rank's local size along the dim ``tensor`` is sharded on at ``mesh_dim`` (a collective)."""
+    placement = tensor.placements[mesh_dim]
+    local = torch.tensor([tensor.to_local().size(placement.dim)], device=tensor.device)
+    sizes = _all_gather(local, 0, (tensor.device_mesh, mesh_dim))
+    if isinstance(sizes, funcol.AsyncCollectiveTensor):
+        sizes = sizes.wait()
+    return sizes.tolist()
+
+
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind ``tensor`` (a DTensor or a plain tensor).
 
@@ -165,16 +175,13 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     mesh = tensor.device_mesh
     for mesh_dim, placement in enumerate(tensor.placements):
         if type(placement) is Shard:
-            local = torch.tensor([tensor.to_local().size(placement.dim)], device=tensor.device)
-            sizes = _all_gather(local, 0, (mesh, mesh_dim))
-            if isinstance(sizes, funcol.AsyncCollectiveTensor):
-                sizes = sizes.wait()
+            sizes = shard_sizes(tensor, mesh_dim)
             n = mesh.size(mesh_dim)
             expected = [t.size(0) for t in torch.empty(tensor.size(placement.dim), 0).chunk(n)]
             expected += [0] * (n - len(expected))
-            if sizes.tolist() != expected:
+            if sizes != expected:
                 raise RuntimeError(
-                    f"DTensor with placement {placement} has local sizes {sizes.tolist()} "
+                    f"DTensor with placement {placement} has local sizes {sizes} "
                     f"on mesh dim {mesh_dim}, not torch.chunk's {expected}: it was derived "
                     "from a RaggedShard parameter by an out-of-place op; gather the "
                     "parameter (or its gradient / optimizer state) instead"
