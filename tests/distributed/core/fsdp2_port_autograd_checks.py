@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 
 from megatron_fsdp import fully_shard
-from tests.distributed.fsdp2_port_models import (
+from tests.distributed.core.fsdp2_port_models import (
     MLP,
     SUITE,
     DoubleLinear,

@@ -22,7 +22,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp import clip_grad_norm_ as mfsdp_clip_grad_norm_
-from tests.distributed.fsdp2_port_models import (
+from tests.distributed.core.fsdp2_port_models import (
     MLP,
     SUITE,
     ModelArgs,

@@ -38,8 +38,8 @@ from torch.distributed.tensor import DTensor
 from megatron_fsdp import FSDPModule, fully_shard
 
 # The other scenarios of this suite: imported so that their checks register (one process group).
-from tests.distributed import fsdp2_port_autograd_checks, fsdp2_port_state_checks  # noqa: F401 - they register
-from tests.distributed.fsdp2_port_models import (
+from tests.distributed.core import fsdp2_port_autograd_checks, fsdp2_port_state_checks  # noqa: F401 - they register
+from tests.distributed.core.fsdp2_port_models import (
     MLP,
     SUITE,
     ModelArgs,
