@@ -39,7 +39,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megatron_fsdp import fully_shard
-from megatron_fsdp.core import schedule
 from megatron_fsdp.core.lookup import units_of
 from megatron_fsdp.core.meta_init import materialize_meta
 from megatron_fsdp.plan import LlamaConfig, MLPConfig, fsdp2_padded_numel, model_named, plan_rank
@@ -183,9 +182,6 @@ def simulate(config, world: int, strategy: str, layers: int, rank: int, outer: i
         return Measured(setup_s, setup_rss, figures, step_bytes, step_s)
     finally:
         dist.destroy_process_group()
-        # The schedule caches its process-group copies per rank set for the life of the
-        # process; they die with the default group, so forget them before the next one.
-        schedule._GROUP_COPIES.clear()
 
 
 def check(plan: RankPlan, measured: Measured) -> None:

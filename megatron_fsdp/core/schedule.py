@@ -58,14 +58,27 @@ def group_copy(purpose: str, group: dist.ProcessGroup, ranks: list[int] | None =
     """A process group over ``ranks`` (default: ``group``'s), made once per purpose and rank set.
 
     Made by the member ranks only (``use_local_synchronization``), in the order
-    ``fully_shard`` runs, which is the same on every rank.
+    ``fully_shard`` runs, which is the same on every rank. A copy that died with an
+    earlier default group (``destroy_process_group`` then a new ``init_process_group``
+    in the same process) is made again.
     """
     ranks = sorted(dist.get_process_group_ranks(group) if ranks is None else ranks)
     key = (purpose, tuple(ranks))
+    if key in _GROUP_COPIES and not _registered(_GROUP_COPIES[key]):
+        del _GROUP_COPIES[key]
     if key not in _GROUP_COPIES:
         backend = str(dist.get_backend(group))
         _GROUP_COPIES[key] = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
     return _GROUP_COPIES[key]
+
+
+def _registered(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` belongs to the current default group's world (it is unknown after a destroy)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (ValueError, RuntimeError, KeyError):
+        return False
+    return True
 
 
 def is_zero3(unit: FSDPUnit) -> bool:

@@ -19,7 +19,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard
-from megatron_fsdp.core import schedule
 from megatron_fsdp.core.lookup import units_of
 from megatron_fsdp.plan import MLPConfig, Precision, UnitShape, plan_rank
 
@@ -33,8 +32,7 @@ def fake_world(world: int, rank: int):
     try:
         yield
     finally:
-        dist.destroy_process_group()
-        schedule._GROUP_COPIES.clear()  # copies of groups that died with the default group
+        dist.destroy_process_group()  # the schedule's group copies die with it and are made again next time
 
 
 def build(layers: int, bias: bool) -> nn.Sequential:
