@@ -117,7 +117,8 @@ class FSDPModule(TorchFSDPModule):
                 return group.as_dtensor(index, fn(tensor.to_local()))
             return fn(tensor)
 
-        return super()._apply(on_local_pieces, recurse)  # type: ignore[misc]
+        # past torch's FSDPModule._apply (FSDP2's own resharding) to the original class's
+        return super(TorchFSDPModule, self)._apply(on_local_pieces, recurse)  # type: ignore[misc]
 
     @property
     def fsdp_options(self) -> EngineOptions:
