@@ -68,10 +68,27 @@ def _prefetch_units(modules: Any, where: str) -> list[FSDPUnit]:
 class FSDPModule(TorchFSDPModule):
     """Mixin for modules sharded by :func:`megatron_fsdp.fully_shard` (an FSDP2 ``FSDPModule`` too)."""
 
-    # torch's FSDPModule.__new__ builds the original class when the FSDP subclass is
-    # constructed (a container slicing itself); in FSDP<Orig>'s MRO the original class
-    # follows ours and torch's: [FSDP<Orig>, FSDPModule, torch FSDPModule, Orig, ...].
+    # In FSDP<Orig>'s MRO the original class follows ours and torch's:
+    # [FSDP<Orig>, FSDPModule, torch FSDPModule, Orig, ...] (read by torch 2.13's __new__).
     _orig_cls_mro_index: int = 3
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> nn.Module:
+        """Constructing the FSDP subclass (a container slicing itself) builds the original class, as FSDP2 does.
+
+        Written here rather than inherited: older torch versions' ``__new__`` take the
+        original class at a fixed MRO index that is torch's own ``FSDPModule`` for us.
+        """
+        original = next(c for c in cls.__mro__ if not issubclass(c, TorchFSDPModule))
+        module = original.__new__(original, *args, **kwargs)
+        module.__init__(*args, **kwargs)
+        return module
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        """Refused, as FSDP2 does: a copy would share this module's runtime (its unit, hooks and shards)."""
+        raise TypeError(
+            f"copy.deepcopy of a fully_shard-ed {type(self).__bases__[-1].__name__} is not supported (as with FSDP2): "
+            "copy the model before fully_shard, or move its values with state dicts"
+        )
 
     def _get_fsdp_state(self):  # noqa: ANN202 - torch's private hook
         """FSDP2's runtime state, which these modules do not have: name the FSDP2 method that needed it."""

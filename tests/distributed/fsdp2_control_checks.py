@@ -486,6 +486,12 @@ def torch_fsdp_module_isinstance_and_its_helpers() -> None:
     assert isinstance(model, TorchFSDPModule) and isinstance(model[1], TorchFSDPModule)
     assert type(model[0:2]) is nn.Sequential, "a container slicing itself builds the original class (FSDP2's __new__)"
     try:
+        copy.deepcopy(model)
+    except TypeError as exc:
+        assert "before fully_shard" in str(exc), exc
+    else:
+        raise AssertionError("deepcopy of a sharded module must be refused, as FSDP2 does")
+    try:
         model.set_custom_all_gather(None)
     except NotImplementedError as exc:
         assert "set_custom_all_gather" in str(exc), exc
