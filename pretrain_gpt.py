@@ -17,6 +17,7 @@ from torch import nn
 
 from megatron.training.global_vars import get_args
 from megatron.training.gpt_model import GPTConfig, GPTModel
+from megatron.training.parallel_state import get_context_parallel, get_tensor_parallel
 from megatron.training.training import pretrain
 
 
@@ -35,7 +36,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> nn.Mo
         swiglu=args.swiglu, untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         init_method_std=args.init_method_std, attention_dropout=args.attention_dropout,
         hidden_dropout=args.hidden_dropout, rotary_base=args.rotary_base,
-    ))
+    ), tp=get_tensor_parallel(), cp=get_context_parallel())
 
 
 def forward_step(batch: dict, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import OffloadPolicy
 
 from megatron_fsdp.api.fully_shard_model import FULLY_SHARD_MODEL_OPTIONS, fully_shard_whole_model
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
@@ -57,13 +58,14 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     sharding_strategy: str | int | ShardingPlan = "optim_grads_params",
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     gradient_scaling: str | float = "mean",
     outer_sharding_strategy: str = "no_shard",
     dp_shard_dim: str | None = None,
     dp_outer_dim: str | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     options: EngineOptions | None = None,
+    offload_policy: OffloadPolicy | None = None,
     **whole_model_options: Any,
 ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer | None]:
     """Shard ``module``'s parameters over ``mesh`` and make it an ``FSDPModule``.
@@ -87,8 +89,9 @@ def fully_shard(
             (ZeRO-2) or ``"optim_grads_params"`` (ZeRO-3), or a ZeRO stage 0-3.
         reshard_after_forward: ZeRO-3 only: free the gathered weights after
             forward and gather again for backward (the root unit never does).
-            True or False; an int (FSDP2's smaller-group reshard) raises
-            NotImplementedError, anything else TypeError.
+            True, False, or an int N dividing the ``dp_shard`` size (FSDP2's
+            form): keep 1/N of the weights after forward and all-gather within
+            groups of N consecutive ranks in backward (N == size: True; 1: False).
         gradient_scaling: ``"mean"`` (average over data-parallel ranks, like DDP),
             ``"sum"`` (per-token losses normalised by the training loop), or a
             positive number every rank's gradient is multiplied by before summing.
@@ -105,6 +108,10 @@ def fully_shard(
             reductions in flight, prefetch depth); default ``EngineOptions()``. The
             units already under ``module`` take these (every unit runs with its
             root's); one given different options in a root field raises ValueError.
+        offload_policy: torch's ``CPUOffloadPolicy(pin_memory=...)``: sharded main
+            weights, their gradients and the optimizer step on the host, each
+            unit's shard copied to the device per all-gather; ``OffloadPolicy()``
+            or None: no offload (docs/api.md).
 
     Every data-parallel rank must pass the same module: one all-reduce of a
     fingerprint of its parameters checks it (``validation``). A module whose
@@ -118,10 +125,11 @@ def fully_shard(
         _check_per_module_keywords(optimizer, whole_model_options)
         per_module = dict(mesh=mesh, sharding_strategy=sharding_strategy, reshard_after_forward=reshard_after_forward,
                           gradient_scaling=gradient_scaling, outer_sharding_strategy=outer_sharding_strategy,
-                          mp_policy=mp_policy, options=options)
+                          mp_policy=mp_policy, options=options, offload_policy=offload_policy)
         return fully_shard_whole_model(module, optimizer, per_module, dp_shard_dim=dp_shard_dim,
                                        dp_outer_dim=dp_outer_dim, **whole_model_options)
     return shard_module(module, mesh=mesh, sharding_strategy=sharding_strategy,
                         reshard_after_forward=reshard_after_forward, gradient_scaling=gradient_scaling,
                         outer_sharding_strategy=outer_sharding_strategy, dp_shard_dim=dp_shard_dim,
-                        dp_outer_dim=dp_outer_dim, mp_policy=mp_policy, options=options)
+                        dp_outer_dim=dp_outer_dim, mp_policy=mp_policy, options=options,
+                        offload_policy=offload_policy)

@@ -1,13 +1,16 @@
+"""Fixtures shared by the whole suite.
+
+No ``sys.path`` edits are needed: ``tests/`` is a package (it has ``__init__.py``), so pytest's default
+"prepend" import mode puts the checkout's root first on ``sys.path`` before importing any test, and
+everything imports as ``tests.<...>``, ``megatron_fsdp`` and ``pretrain_gpt`` from the checkout (ahead of
+an editable install of another one). Ranks started with ``torch.multiprocessing`` (spawn) get the
+parent's ``sys.path``; subprocesses run ``python -m tests....`` with ``cwd`` at the root.
+"""
+
 import os
 import socket
-import sys
 
 import pytest
-
-# Tests import the helpers in tests/ and the package from the checkout.
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import glob
+import importlib
 import json
 import os
 import signal
@@ -101,7 +103,7 @@ class Run:
 def run_env(pool: str, preload: str | None, perturb: int) -> dict[str, str]:
     env = dict(os.environ)
     env["MEGATRON_FSDP_BUFFER_POOL"] = "1" if pool == "on" else "0"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.path.join(ROOT, "tests"), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     if preload is not None:
         env["LD_PRELOAD"] = " ".join(p for p in (preload, env.get("LD_PRELOAD")) if p)
         env["MALLOC_CHECK_"] = "3"
@@ -154,14 +156,26 @@ def one_run(index: int, pool: str, suite: str, world_size: int, env: dict[str, s
     return Run(index, pool, suite, world_size, outcome, seconds, detail, log)
 
 
+def checks_module(suite: str) -> str:
+    """The dotted name of ``tests/distributed/<sub-package>/<suite>_checks.py`` (or of the harness's own suites)."""
+    distributed = os.path.join(ROOT, "tests", "distributed")
+    found = sorted(glob.glob(os.path.join(distributed, "**", f"{suite}_checks.py"), recursive=True))
+    if len(found) != 1:
+        known = sorted(os.path.basename(f)[: -len("_checks.py")]
+                       for f in glob.glob(os.path.join(distributed, "**", "*_checks.py"), recursive=True))
+        raise SystemExit(f"--suites: {suite!r} names {len(found)} files tests/distributed/**/{suite}_checks.py; "
+                         f"known suites: {', '.join(known)}")
+    return os.path.relpath(found[0], ROOT)[: -len(".py")].replace(os.sep, ".")
+
+
 def child_main(suite: str, world_size: int) -> None:
     """Inside one run: run the suite once and print its result as one tagged JSON line."""
     import megatron_fsdp
     from tests.distributed.harness import names, run_suite_once
 
     print(f"megatron_fsdp from {os.path.dirname(megatron_fsdp.__file__)}", flush=True)
-    module = f"tests.distributed.{suite}_checks"
-    __import__(module)
+    module = checks_module(suite)
+    suite = importlib.import_module(module).SUITE  # fsdp2_idiom_checks.py registers suite "fsdp2_idioms"
     expected = names(suite, world_size)
     if not expected:
         raise SystemExit(f"suite {suite!r} has no checks at world size {world_size}")
@@ -192,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=50, help="suite runs per pool setting (default 50)")
     parser.add_argument("--suites", default=",".join(DEFAULT_SUITES),
-                        help="comma-separated suites of tests/distributed/<suite>_checks.py (default %(default)s)")
+                        help="comma-separated suites of tests/distributed/**/<suite>_checks.py (default %(default)s)")
     parser.add_argument("--world-sizes", default="2", help="comma-separated world sizes to cycle through (default 2)")
     parser.add_argument("--pool", choices=("off", "on", "both"), default="both",
                         help="MEGATRON_FSDP_BUFFER_POOL for the runs (default: both, one after the other)")

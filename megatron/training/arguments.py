@@ -86,6 +86,19 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-workers", type=int, default=0)
 
 
+def _model_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="Megatron-style tensor parallelism: attention heads, FFN width and vocabulary split "
+                        "across this many ranks (consecutive ranks form a TP group)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with tensor parallelism: split norms, dropout and residuals along the sequence")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="context parallelism: the sequence split across this many ranks (load-balanced causal "
+                        "split, exact attention by gathering keys and values); FSDP shards over DP x CP")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="only 1 is supported")
+
+
 def _fsdp_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("distributed / megatron-fsdp")
     g.add_argument("--use-megatron-fsdp", action="store_true")
@@ -125,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Megatron-style GPT pre-training on megatron_fsdp (see docs/megatron.md)",
         allow_abbrev=False,
     )
-    for add in (_model_args, _training_args, _data_args, _fsdp_args):
+    for add in (_model_args, _training_args, _data_args, _model_parallel_args, _fsdp_args):
         add(parser)
     return parser
 
@@ -146,7 +159,7 @@ def _fail(message: str) -> None:
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Derive Megatron's computed arguments and reject invalid combinations (in place)."""
     args.world_size = world_size
-    args.data_parallel_size = world_size  # no tensor/pipeline parallelism in this front-end
+    _validate_model_parallel(args, world_size)
     if args.use_custom_fsdp:
         args.use_megatron_fsdp = True
     if args.fp16:
@@ -159,6 +172,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
               f"({args.max_position_embeddings})")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
+    _validate_tensor_parallel_sizes(args)
+    if args.seq_length % (2 * args.context_parallel_size) and args.context_parallel_size > 1:
+        _fail(f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size "
+              f"({2 * args.context_parallel_size}): the load-balanced split cuts the sequence into that many chunks")
     _validate_batch(args)
     _validate_fsdp(args)
     _validate_data_and_checkpoints(args)
@@ -221,6 +238,48 @@ def _validate_numbers(args: argparse.Namespace) -> None:
         parse_split(args.split)
     except ValueError as error:
         _fail(str(error))
+
+
+def _validate_model_parallel(args: argparse.Namespace, world_size: int) -> None:
+    """Tensor and context parallelism divide the world; what is not built (PP) is refused by name."""
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    if tp < 1 or world_size % tp:
+        _fail(f"--tensor-model-parallel-size ({tp}) must be >= 1 and divide the world size ({world_size})")
+    if cp < 1 or world_size % (tp * cp):
+        _fail(f"--context-parallel-size ({cp}) must be >= 1, and --tensor-model-parallel-size x "
+              f"--context-parallel-size ({tp} x {cp}) must divide the world size ({world_size})")
+    args.data_parallel_size = world_size // (tp * cp)
+    if cp > 1 and args.model_provider == "mcore":
+        _fail("--context-parallel-size > 1 with --model-provider mcore is not supported; use --model-provider gpt")
+    if args.pipeline_model_parallel_size != 1:
+        _fail(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: pipeline parallelism is not "
+              "supported by this front-end; use 1")
+    if args.sequence_parallel and tp == 1:
+        print("WARNING: --sequence-parallel has no effect with --tensor-model-parallel-size 1 (disabled, as "
+              "Megatron does)", flush=True)
+        args.sequence_parallel = False
+    if tp > 1 and args.model_provider == "mcore":
+        _fail("--tensor-model-parallel-size > 1 with --model-provider mcore is not supported: megatron-core's "
+              "model needs its own parallel_state; use --model-provider gpt")
+    if tp > 1 and (args.save or args.load):
+        _fail("--save/--load with --tensor-model-parallel-size > 1 is not supported yet: the checkpoint format does "
+              "not record tensor-parallel slices, so a save would keep one TP rank's slices under each name. "
+              "Train without --save/--load, or with --tensor-model-parallel-size 1")
+
+
+def _validate_tensor_parallel_sizes(args: argparse.Namespace) -> None:
+    """Every split must divide, named by its flag (before a layer fails on a shape)."""
+    tp = args.tensor_model_parallel_size
+    if tp == 1:
+        return
+    groups = args.num_query_groups or args.num_attention_heads
+    for flag, value in (("--num-attention-heads", args.num_attention_heads), ("--num-query-groups", groups),
+                        ("--ffn-hidden-size", args.ffn_hidden_size)):
+        if value % tp:
+            _fail(f"{flag} ({value}) must be divisible by --tensor-model-parallel-size ({tp})")
+    if args.sequence_parallel and (args.seq_length // args.context_parallel_size) % tp:
+        _fail(f"--seq-length ({args.seq_length}) / --context-parallel-size ({args.context_parallel_size}) must be "
+              f"divisible by --tensor-model-parallel-size ({tp}) with --sequence-parallel")
 
 
 def _validate_batch(args: argparse.Namespace) -> None:

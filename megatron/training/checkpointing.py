@@ -26,6 +26,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron_fsdp.checkpoint import (
+    TRACKER_FILE,
+    CheckpointCorruptError,
+    load_checkpoint,
+    read_latest_iteration,
+    save_checkpoint,
+)
+from megatron_fsdp.checkpoint.sharded_io import run_on_first
+
+from .config import RunState
 from .initialize import print_rank_0
 from .optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -37,15 +47,6 @@ MODEL_ARGS = (
 )
 # What a resumed run needs from extra.pt.
 RESUME_KEYS = ("scheduler", "consumed_train_samples", "consumed_valid_samples")
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module under DDP / FullyShardedDataParallel / MegatronFSDP wrappers."""
-    from megatron_fsdp.core.module import FSDPModule
-
-    while hasattr(model, "module") and isinstance(model.module, nn.Module) and not isinstance(model, FSDPModule):
-        model = model.module
-    return model
 
 
 def _flag(name: str) -> str:
@@ -66,18 +67,17 @@ def model_args_mismatch(saved_args: dict[str, Any], args: argparse.Namespace) ->
     return [f"{_flag(k)} {saved[k]} (saved) vs {now.get(k)} (now)" for k in saved if saved[k] != now.get(k)]
 
 
-def save(args: argparse.Namespace, iteration: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+def save(args: argparse.Namespace, state: RunState, module: nn.Module, optimizer: torch.optim.Optimizer,
          scheduler: OptimizerParamScheduler) -> None:
-    from megatron_fsdp.checkpoint import save_checkpoint
-
+    """Save ``module`` (the user's, unwrapped), the optimizer and the run's position to ``--save``."""
     extra = {
         "scheduler": scheduler.state_dict(),
-        "consumed_train_samples": args.consumed_train_samples,
-        "consumed_valid_samples": args.consumed_valid_samples,
+        "consumed_train_samples": state.consumed_train_samples,
+        "consumed_valid_samples": state.consumed_valid_samples,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
     }
-    path = save_checkpoint(args.save, iteration, unwrap_model(model), optimizer, extra=extra)
-    print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {path}")
+    path = save_checkpoint(args.save, state.iteration, module, optimizer, extra=extra)
+    print_rank_0(f"  successfully saved checkpoint from iteration {state.iteration:7d} to {path}")
 
 
 def check_save_target(args: argparse.Namespace, iteration: int) -> None:
@@ -88,8 +88,6 @@ def check_save_target(args: argparse.Namespace, iteration: int) -> None:
     """
     if not args.save:
         return
-    from megatron_fsdp.checkpoint import TRACKER_FILE, read_latest_iteration
-    from megatron_fsdp.checkpoint.sharded_io import run_on_first
 
     def check() -> None:
         if not os.path.isfile(os.path.join(args.save, TRACKER_FILE)):
@@ -107,8 +105,6 @@ def check_save_target(args: argparse.Namespace, iteration: int) -> None:
 
 def _locate(args: argparse.Namespace) -> str | None:
     """None to load ``--load``; else the message of a fresh start (with --allow-fresh-start). Raises otherwise."""
-    from megatron_fsdp.checkpoint import TRACKER_FILE
-
     tracker = os.path.join(args.load, TRACKER_FILE)
     if os.path.isfile(tracker):
         return None
@@ -143,8 +139,6 @@ def _check_extra(args: argparse.Namespace) -> Callable[[dict[str, Any]], None]:
                 )
         missing = [k for k in RESUME_KEYS if k not in extra]
         if not args.finetune and missing:
-            from megatron_fsdp.checkpoint import CheckpointCorruptError
-
             raise CheckpointCorruptError(
                 f"--load {args.load}: the checkpoint's extra.pt lacks {', '.join(missing)} (the scheduler state "
                 "and data position pretrain_gpt.py saves); resuming without them would replay data from the "
@@ -154,31 +148,32 @@ def _check_extra(args: argparse.Namespace) -> Callable[[dict[str, Any]], None]:
     return check
 
 
-def load(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler: OptimizerParamScheduler) -> int:
-    """Resume from ``--load``; returns the iteration to continue from (0 for a fresh start or --finetune)."""
-    from megatron_fsdp.checkpoint import load_checkpoint
-    from megatron_fsdp.checkpoint.sharded_io import run_on_first
+def load(args: argparse.Namespace, module: nn.Module, optimizer: torch.optim.Optimizer,
+         scheduler: OptimizerParamScheduler) -> RunState:
+    """Resume from ``--load`` into ``module`` (the user's, unwrapped): the run's state to continue from.
 
+    A fresh start (``--allow-fresh-start``) and ``--finetune`` start at iteration 0 with no data consumed.
+    """
     fresh = run_on_first(lambda: _locate(args), None)
     if fresh is not None:
         print_rank_0(fresh)
-        return 0
+        return RunState()
     finetune = args.finetune
     loaded = load_checkpoint(
-        args.load, unwrap_model(model), None if (finetune or args.no_load_optim) else optimizer,
+        args.load, module, None if (finetune or args.no_load_optim) else optimizer,
         load_optimizer=not (finetune or args.no_load_optim), load_rng=not (finetune or args.no_load_rng),
         check_extra=_check_extra(args),
     )
     print_rank_0(f"  successfully loaded checkpoint from {args.load} at iteration {loaded.iteration}")
     if finetune:
-        return 0
+        return RunState()
     extra = loaded.extra
-    args.consumed_train_samples = int(extra["consumed_train_samples"])
-    args.consumed_valid_samples = int(extra["consumed_valid_samples"])
     if not args.no_load_optim:
         scheduler.load_state_dict(extra["scheduler"])
     else:
         scheduler.num_steps = loaded.iteration
         scheduler.step(0)
-    return loaded.iteration
+    return RunState(
+        iteration=loaded.iteration, consumed_train_samples=int(extra["consumed_train_samples"]),
+        consumed_valid_samples=int(extra["consumed_valid_samples"]),
+    )

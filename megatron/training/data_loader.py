@@ -129,13 +129,14 @@ def check_token_ids(batches: Iterable[dict], vocab_size: int, source: str) -> It
 
 
 def build_train_valid_test_data_iterators(
-    args: Any, dp_rank: int, dp_size: int, tokenizer: Any = None
+    args: Any, dp_rank: int, dp_size: int, tokenizer: Any = None, *, consumed_train_samples: int = 0,
+    consumed_valid_samples: int = 0,
 ) -> tuple[Iterator | None, Iterator | None, Iterator | None]:
     """Train, validation and test micro-batch iterators for one data-parallel rank.
 
     Each ``next()`` is one micro-batch: ``tokens``, ``labels``, ``position_ids`` (int64) and
     ``loss_mask`` (float32), all ``[micro_batch_size, seq_length]``. Train starts at
-    ``args.consumed_train_samples``, validation at ``args.consumed_valid_samples``, test at 0.
+    ``consumed_train_samples``, validation at ``consumed_valid_samples`` (a resumed run's position), test at 0.
     Each iterator ends after its split's samples (train: ``train_iters * global_batch_size``;
     validation: ``(train_iters // eval_interval + 1) * eval_iters * global_batch_size``; test:
     ``eval_iters * global_batch_size``). An iterator is None when its split has no documents or
@@ -149,11 +150,7 @@ def build_train_valid_test_data_iterators(
         tokenizer = build_tokenizer(args)
     datasets = build_train_valid_test_datasets(args, tokenizer)
     wanted = train_valid_test_num_samples(args)
-    consumed = (
-        int(getattr(args, "consumed_train_samples", 0) or 0),
-        int(getattr(args, "consumed_valid_samples", 0) or 0),
-        0,
-    )
+    consumed = (int(consumed_train_samples), int(consumed_valid_samples), 0)
     num_workers = int(getattr(args, "num_workers", 0) or 0)
     path = getattr(args, "data_path", None) or []
     path = path if isinstance(path, str) else " ".join(path)

@@ -12,6 +12,14 @@ leaf modules (``MegatronLinear``, ``MegatronEmbedding``, norms) and each leaf
 initialises itself in ``reset_parameters()``, so eager construction and
 meta-device materialisation (pre-order ``reset_parameters``) consume the
 random stream in the same order and give bitwise the same weights.
+
+Tensor parallelism (``--tensor-model-parallel-size``, ``--sequence-parallel``) uses
+Megatron's layers from ``megatron_fsdp.parallel``: QKV and FC1 column-parallel
+(split by heads and by FFN width), the attention output projection and FC2
+row-parallel, the word embedding and the output layer split by vocabulary, and the
+loss computed on vocabulary-parallel logits. At TP size 1 each layer is the plain
+one (the same arithmetic); at any size the initial weights are the slices of the
+TP-1 model's (each layer draws the full weight and keeps its slice).
 """
 
 from __future__ import annotations
@@ -22,6 +30,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from megatron_fsdp.parallel import (
+    ColumnParallelLinear,
+    ContextParallel,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from megatron_fsdp.parallel.context import causal_mask, gather_sequence
+from megatron_fsdp.parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 
 
 @dataclass(frozen=True)
@@ -86,21 +110,8 @@ class GPTConfig:
             raise ValueError("--position-embedding-type rope needs an even head dimension")
 
 
-class MegatronLinear(nn.Linear):
-    """``nn.Linear`` initialised the Megatron way: N(0, std) weight, zero bias."""
-
-    def __init__(self, in_features: int, out_features: int, std: float, bias: bool = True) -> None:
-        self.init_std = std  # read by reset_parameters, which nn.Linear.__init__ calls
-        super().__init__(in_features, out_features, bias=bias)
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
-
-
 class MegatronEmbedding(nn.Embedding):
-    """``nn.Embedding`` with N(0, std) initialisation."""
+    """``nn.Embedding`` with N(0, std) initialisation (the TP-replicated position embedding)."""
 
     def __init__(self, num_embeddings: int, dim: int, std: float) -> None:
         self.init_std = std
@@ -110,10 +121,15 @@ class MegatronEmbedding(nn.Embedding):
         nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
 
 
-def _norm(config: GPTConfig) -> nn.Module:
+def _norm(config: GPTConfig, tp: TensorParallel) -> nn.Module:
+    """A norm: TP-replicated; under sequence parallelism it sees part of the sequence on each TP rank."""
     if config.normalization == "RMSNorm":
-        return nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
-    return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        norm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
+    else:
+        norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+    for param in norm.parameters():
+        param.sequence_parallel = tp.sequence_parallel  # its gradient is summed over TP (Megatron's attribute)
+    return norm
 
 
 def rotary_tables(seq_len: int, head_dim: int, base: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,19 +150,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class SelfAttention(nn.Module):
     """Causal multi-head attention with grouped query heads (``num_query_groups``)."""
 
-    def __init__(self, config: GPTConfig, output_std: float) -> None:
+    def __init__(self, config: GPTConfig, output_std: float, tp: TensorParallel, cp: ContextParallel) -> None:
         super().__init__()
-        self.heads = config.num_attention_heads
-        self.groups = config.query_groups
+        self.cp = cp
         self.head_dim = config.hidden_size // config.num_attention_heads
+        self.heads = tp.divide(config.num_attention_heads, "--num-attention-heads")  # this TP rank's
+        self.groups = tp.divide(config.query_groups, "--num-query-groups")
         self.dropout = config.attention_dropout
-        qkv_out = (self.heads + 2 * self.groups) * self.head_dim
-        self.qkv = MegatronLinear(config.hidden_size, qkv_out, config.init_method_std)
-        self.proj = MegatronLinear(config.hidden_size, config.hidden_size, output_std)
+        q_size, kv_size = config.num_attention_heads * self.head_dim, config.query_groups * self.head_dim
+        self.qkv = ColumnParallelLinear(config.hidden_size, q_size + 2 * kv_size, config.init_method_std, tp,
+                                        segments=(q_size, kv_size, kv_size))
+        self.proj = RowParallelLinear(config.hidden_size, config.hidden_size, output_std, tp)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q, k, v = self.qkv(x).split(
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: with context parallelism, which of the gathered keys each local query sees."""
+        qkv = self.qkv(x)  # the whole sequence (gathered under sequence parallelism), this rank's heads
+        batch, seq, _ = qkv.shape
+        q, k, v = qkv.split(
             [self.heads * self.head_dim, self.groups * self.head_dim, self.groups * self.head_dim], dim=-1
         )
         q = q.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
@@ -154,11 +175,12 @@ class SelfAttention(nn.Module):
         v = v.view(batch, seq, self.groups, self.head_dim).transpose(1, 2)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        k, v = gather_sequence(k, self.cp, dim=2), gather_sequence(v, self.cp, dim=2)  # every CP rank's keys
         if self.groups != self.heads:
             repeat = self.heads // self.groups
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
         )
         return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -166,12 +188,14 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     """Feed-forward block: GeLU, or SwiGLU with ``swiglu``."""
 
-    def __init__(self, config: GPTConfig, output_std: float) -> None:
+    def __init__(self, config: GPTConfig, output_std: float, tp: TensorParallel) -> None:
         super().__init__()
         self.swiglu = config.swiglu
+        tp.divide(config.ffn_size, "--ffn-hidden-size")
         width = 2 * config.ffn_size if config.swiglu else config.ffn_size
-        self.fc1 = MegatronLinear(config.hidden_size, width, config.init_method_std)
-        self.fc2 = MegatronLinear(config.ffn_size, config.hidden_size, output_std)
+        segments = (config.ffn_size, config.ffn_size) if config.swiglu else None  # [gate | up], each split
+        self.fc1 = ColumnParallelLinear(config.hidden_size, width, config.init_method_std, tp, segments=segments)
+        self.fc2 = RowParallelLinear(config.ffn_size, config.hidden_size, output_std, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
@@ -186,38 +210,48 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm transformer layer: the default FSDP unit."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, tp: TensorParallel, cp: ContextParallel) -> None:
         super().__init__()
         output_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
-        self.input_norm = _norm(config)
-        self.attention = SelfAttention(config, output_std)
-        self.pre_mlp_norm = _norm(config)
-        self.mlp = MLP(config, output_std)
+        self.input_norm = _norm(config, tp)
+        self.attention = SelfAttention(config, output_std, tp, cp)
+        self.pre_mlp_norm = _norm(config, tp)
+        self.mlp = MLP(config, output_std, tp)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.input_norm(x), rotary))
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.input_norm(x), rotary, mask))
         return x + self.dropout(self.mlp(self.pre_mlp_norm(x)))
 
 
 class GPTModel(nn.Module):
-    """Decoder-only language model; ``forward`` returns logits, or per-token losses given labels."""
+    """Decoder-only language model; ``forward`` returns logits, or per-token losses given labels.
 
-    def __init__(self, config: GPTConfig) -> None:
+    ``tp``: the tensor-parallel group (default: none). Under sequence parallelism the
+    residual stream between layers holds this TP rank's part of the sequence.
+    ``cp``: the context-parallel group (default: none); ``forward`` then takes this CP
+    rank's tokens (``ContextParallel.split`` of the sequence) and returns their losses.
+    """
+
+    def __init__(self, config: GPTConfig, tp: TensorParallel | None = None, cp: ContextParallel | None = None
+                 ) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp = TensorParallel.single() if tp is None else tp
+        self.cp = cp = ContextParallel.single() if cp is None else cp
         std = config.init_method_std
-        self.word_embeddings = MegatronEmbedding(config.vocab_size, config.hidden_size, std)
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, std, tp)
         self.position_embeddings = (
             MegatronEmbedding(config.max_position_embeddings, config.hidden_size, std)
             if config.position_embedding_type == "learned_absolute"
             else None
         )
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
-        self.layers = nn.ModuleList([TransformerLayer(config) for _ in range(config.num_layers)])
-        self.final_norm = _norm(config)
+        self.layers = nn.ModuleList([TransformerLayer(config, tp, cp) for _ in range(config.num_layers)])
+        self.final_norm = _norm(config, tp)
         self.output_layer = (
-            MegatronLinear(config.hidden_size, config.vocab_size, std, bias=False)
+            ColumnParallelLinear(config.hidden_size, config.vocab_size, std, tp, bias=False)
             if config.untie_embeddings_and_output_weights
             else None
         )
@@ -229,27 +263,37 @@ class GPTModel(nn.Module):
     def forward(
         self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None
     ) -> torch.Tensor:
-        seq = tokens.shape[1]
+        seq = tokens.shape[1] * self.cp.size  # the whole sequence (this CP rank holds 1/C of it)
         if seq > self.config.max_position_embeddings:
             raise ValueError(
                 f"sequence length {seq} exceeds --max-position-embeddings {self.config.max_position_embeddings}"
             )
+        indices = self.cp.sequence_indices(seq, device=tokens.device)  # where this rank's tokens sit
+        mask = causal_mask(self.cp, tokens.shape[1], tokens.device) if self.cp.size > 1 else None
         x = self.word_embeddings(tokens)
         rotary = None
         if self.position_embeddings is not None:
             if position_ids is None:
-                position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0)
+                position_ids = indices.unsqueeze(0)
             x = x + self.position_embeddings(position_ids)
         else:
             head_dim = self.config.hidden_size // self.config.num_attention_heads
-            rotary = rotary_tables(seq, head_dim, self.config.rotary_base, tokens.device)
+            cos, sin = rotary_tables(seq, head_dim, self.config.rotary_base, tokens.device)
+            rotary = (cos, sin) if self.cp.size == 1 else (cos[indices], sin[indices])
+        if self.tp.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.tp)
         x = self.embedding_dropout(x)
         for layer in self.layers:
-            x = layer(x, rotary)
+            x = layer(x, rotary, mask)
         x = self.final_norm(x)
-        weight = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
-        logits = F.linear(x, weight)
+        if self.output_layer is not None:
+            logits = self.output_layer(x)  # this rank's vocabulary slice
+        else:  # tied: the word embedding's slice, behind the same region a column-parallel layer has
+            if self.tp.sequence_parallel:
+                x = gather_from_sequence_parallel_region(x, self.tp)
+            else:
+                x = copy_to_tensor_parallel_region(x, self.tp)
+            logits = F.linear(x, self.word_embeddings.weight)
         if labels is None:
-            return logits
-        losses = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-        return losses.view_as(labels)
+            return gather_from_tensor_parallel_region(logits, self.tp)
+        return vocab_parallel_cross_entropy(logits.float(), labels, self.tp)

@@ -16,7 +16,7 @@ from torch import nn
 def mcore_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True) -> nn.Module:
     """Build megatron-core's GPTModel (local layer spec, no tensor/pipeline parallelism)."""
     try:
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state, tensor_parallel
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -26,6 +26,9 @@ def mcore_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_pro
         raise RuntimeError("--model-provider mcore needs a CUDA device (megatron-core's layers are CUDA-only)")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    # megatron-core's weight init and attention dropout draw from its CUDA RNG tracker
+    # ("model-parallel-rng"); Megatron-LM seeds it in initialize_megatron, which this front-end replaces.
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,

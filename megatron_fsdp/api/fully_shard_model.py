@@ -335,7 +335,7 @@ def _unknown_options_message(where: str, unknown: dict[str, Any], valid: Sequenc
 
 _PER_MODULE_DEFAULTS = dict(
     mesh=None, sharding_strategy="optim_grads_params", reshard_after_forward=True, gradient_scaling="mean",
-    outer_sharding_strategy="no_shard", mp_policy=None,
+    outer_sharding_strategy="no_shard", mp_policy=None, offload_policy=None,
 )
 _PER_MODULE_ONLY = {
     "mesh": "device_mesh", "sharding_strategy": "zero_dp_strategy",

@@ -210,7 +210,9 @@ def _read_info(path: str) -> dict[str, Any]:
 
 def _read_extra(path: str) -> dict[str, Any]:
     def parse(file: str) -> dict[str, Any]:
-        extra = torch.load(file, weights_only=False)
+        # On the host: without map_location, CUDA tensors saved by rank r would land on the saving
+        # device (cuda:0 for rank 0's file) on every loading rank.
+        extra = torch.load(file, map_location="cpu", weights_only=False)
         if not isinstance(extra, dict):
             raise TypeError(f"expected a dict, found a {type(extra).__name__}")
         return extra
@@ -284,7 +286,7 @@ def load_checkpoint(
 
 def _read_rng(path: str, rank: int) -> dict[str, Any]:
     def parse(file: str) -> dict[str, Any]:
-        state = torch.load(file, weights_only=False)
+        state = torch.load(file, map_location="cpu", weights_only=False)  # RNG states are host tensors
         if not isinstance(state, dict) or "python" not in state or "torch_cpu" not in state:
             raise ValueError("expected a dict with 'python' and 'torch_cpu' RNG states")
         return state

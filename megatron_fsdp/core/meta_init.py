@@ -114,7 +114,7 @@ def _materialize_module(module, own, init_fn, done) -> None:
     fulls = []
     for name, group, index in own:
         slot = group.layout.slots[index]
-        full = torch.empty(slot.shape, dtype=group.dtype, device=group.shard.device)
+        full = torch.empty(slot.shape, dtype=group.dtype, device=group.device)
         module._parameters[name] = nn.Parameter(full, requires_grad=group.refs[index].param.requires_grad)
         fulls.append(full)
     try:

@@ -13,6 +13,13 @@ A group owns three pieces of storage (docs/design.md section 2):
 
 Which of these are sharded is decided by the ``ShardingPlan``; the group only
 reads its three flags.
+
+Two FSDP2 options change where storage lives. CPU offload (``core/offload.py``): the
+shard and the sharded gradients live on the host; each all-gather sends a fresh
+device upload of the shard, and each reduced gradient shard is downloaded before it
+is installed. ``reshard_after_forward=N`` (``core/post_forward_shard.py``): a forward
+gather also stores this rank's 1/N piece of the gathered buffer, and gathers until
+the end of the backward run within a sub-group of N ranks from that piece.
 """
 
 from __future__ import annotations
@@ -25,14 +32,17 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate
 
 from megatron_fsdp.comm.collectives import DEFAULT_COMM, CommConfig, Pending, all_gather, all_reduce, reduce_scatter
 from megatron_fsdp.core.grad_scaling import GradScaling
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
-from megatron_fsdp.memory import grad_buffers
+from megatron_fsdp.core.offload import download, host_empty, upload
+from megatron_fsdp.core.post_forward_shard import PostForwardMesh
 from megatron_fsdp.memory.allocator import BufferPool
 from megatron_fsdp.memory.buffer import FlatBuffer
+from megatron_fsdp.memory.grad_buffers import GradSpares
 from megatron_fsdp.sharding.layout import FlatLayout, build_flat_layout
 from megatron_fsdp.sharding.mesh import DataParallelMesh
 from megatron_fsdp.sharding.outer_shard import gather_compute_shard, outer_shard_geometry
@@ -123,9 +133,20 @@ class ParamGroup:
         *,
         comm: CommConfig = DEFAULT_COMM,
         pool: BufferPool | None = None,
+        spares: GradSpares | None = None,
+        offload: CPUOffloadPolicy | None = None,
+        post_forward: PostForwardMesh | None = None,
     ) -> None:
         self.refs = refs
+        self.device = device  # where the module computes: gathered weights, gradient buffers, collectives
+        self.offload = offload  # CPU offload: the shard and sharded gradients live on the host
+        self.post_forward = post_forward  # reshard_after_forward=N: the sub-group of the post-forward shard
+        self.post_forward_piece: torch.Tensor | None = None  # this rank's 1/N of the gathered weights
+        self.keep_post_forward = False  # set by the root for the forward (grad enabled): store pieces
+        self.uploads = 0  # host -> device copies of the shard (CPU offload), for tests and accounting
+        self.downloads = 0  # device -> host copies of reduced gradients (CPU offload)
         self.comm = comm  # the root's: how its collectives run and where they are counted (``use``)
+        self.spares = GradSpares() if spares is None else spares  # the root's (``use``)
         self.dp = dp
         self.plan = plan
         self.process_group: dist.ProcessGroup = dp.shard_group
@@ -143,7 +164,11 @@ class ParamGroup:
         self.layout: FlatLayout = build_flat_layout([tuple(r.param.shape) for r in refs], self.shard_world)
         self._on_grads_ready = on_grads_ready
 
-        self.shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+        if offload is not None:
+            self.shard = host_empty(self.layout.shard_numel, self.dtype, offload).zero_()
+        else:
+            self.shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+        self.gathers = plan.optim and dp.shard_size > 1
         # Meta-device parameters are filled later by init.materialize_meta.
         self.needs_init = first.device.type == "meta"
         if not self.needs_init:
@@ -153,16 +178,23 @@ class ParamGroup:
         # Compute weights: the main shard itself, or a lower-precision copy of it
         # refreshed once per optimizer step (what the all-gather moves). Under
         # outer 'optim' it is the dp_shard-sized shard, gathered across dp_outer.
+        # Under CPU offload a gathering group has no compute shard (each gather uploads the
+        # host shard); a group that does not gather keeps a device copy, refreshed per step.
+        self.compute_shard: torch.Tensor | None
         if self.outer is not None:
             numel = self.layout.shard_numel * self.outer.outer_size
             self.compute_shard = torch.zeros(numel, dtype=self.compute_dtype, device=device)
+        elif offload is not None:
+            self.compute_shard = None if self.gathers else torch.zeros(
+                self.layout.shard_numel, dtype=self.compute_dtype, device=device)
         else:
             self.compute_shard = (
                 self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
             )
-        self.compute_stale = (self.needs_init or self.outer is not None) and self.compute_shard is not self.shard
+        self.compute_stale = (
+            self.needs_init or self.outer is not None or offload is not None
+        ) and self.compute_shard is not None and self.compute_shard is not self.shard
         self.refreshes = 0  # main -> compute copies (outer 'optim': all-gathers), for tests and accounting
-        self.gathers = plan.optim and dp.shard_size > 1
         self.unsharded = (
             FlatBuffer(self.layout.total_numel, self.compute_dtype, device, allocated=True, pool=pool)
             if self.gathers
@@ -316,17 +348,22 @@ class ParamGroup:
                     f"{tuple(ref.param.shape)}, now {tuple(sharded.shape)}"
                 )
 
-    def use(self, comm: CommConfig, pool: BufferPool) -> None:
-        """Run with the root's collectives config and buffer pool (an enclosing ``fully_shard``)."""
+    def use(self, comm: CommConfig, pool: BufferPool, spares: GradSpares) -> None:
+        """Run with the root's collectives config, buffer pool and gradient spares (an enclosing ``fully_shard``)."""
         self.comm = comm
+        self.spares = spares
         if self.unsharded is not None and self.unsharded.pool is not pool:
             if self.unsharded.allocated:
                 raise RuntimeError("ParamGroup.use: the unsharded weights are allocated; reshard first")
             self.unsharded.pool = pool
 
     def mark_compute_stale(self) -> None:
-        """The main weights may change (an optimizer step may follow): refresh before next use."""
-        if self.compute_shard is not self.shard:
+        """The main weights may change (an optimizer step may follow): refresh before next use.
+
+        The post-forward shard is dropped too: it is a piece of the old weights.
+        """
+        self.post_forward_piece = None
+        if self.compute_shard is not None and self.compute_shard is not self.shard:
             self.compute_stale = True
 
     def refresh_compute(self) -> None:
@@ -337,8 +374,45 @@ class ParamGroup:
                     gather_compute_shard(self.compute_shard, self.shard, self.dp, comm=self.comm)
                 else:
                     self.compute_shard.copy_(self.shard)
+                    self.uploads += self.offload is not None
             self.compute_stale = False
             self.refreshes += 1
+
+    def _gather_input(self) -> tuple[torch.Tensor, dist.ProcessGroup, str]:
+        """What this rank sends in the group's all-gather, over which group, counted as which kind.
+
+        The post-forward piece within its sub-group if one is stored (the same on every
+        rank, see ``core/post_forward_shard.py``); else the compute shard over the shard
+        group, under CPU offload a fresh upload of the host shard.
+        """
+        if self.post_forward_piece is not None:
+            return self.post_forward_piece, self.post_forward.group, "all_gather_post_forward"
+        self.refresh_compute()
+        if self.compute_shard is None:
+            self.uploads += 1
+            return upload(self.shard, self.compute_dtype, self.device), self.process_group, "all_gather"
+        return self.compute_shard, self.process_group, "all_gather"
+
+    def _store_piece_after(self, source: torch.Tensor, gathered: torch.Tensor) -> Callable[[], None] | None:
+        """What to run once a gather into ``gathered`` landed: store the post-forward piece, if wanted."""
+        if not self.keep_post_forward or self.post_forward is None or source is self.post_forward_piece:
+            return None
+        return partial(self._store_piece, gathered)
+
+    def _store_piece(self, gathered: torch.Tensor) -> None:
+        numel = self.layout.total_numel // self.post_forward.size
+        self.post_forward_piece = gathered.narrow(0, self.post_forward.position * numel, numel).clone()
+
+    def participate(self) -> Pending:
+        """Issue this group's all-gather into scratch: the data is not needed here, the pairing is.
+
+        The same collective ``start_unshard`` issues (group, kind, size), so ranks that
+        use the weights and ranks that only take part pair up.
+        """
+        source, group, kind = self._gather_input()
+        scratch = torch.empty(self.layout.total_numel, dtype=self.compute_dtype, device=self.device)
+        pending = Pending(then=self._store_piece_after(source, scratch))
+        return all_gather(scratch, source, group, kind=kind, into=pending, comm=self.comm)
 
     def start_unshard(self) -> None:
         """Issue the all-gather of the weights (no-op if unsharded, in flight or landed)."""
@@ -347,15 +421,16 @@ class ParamGroup:
         self.refresh_compute()
         if not self.gathers:
             return
+        source, group, kind = self._gather_input()
         data = self.unsharded.allocate()
         # Refilling the weights in place for backward bumps the version counter
         # that autograd saved in forward; the values are the same ones forward
         # used, so the counter is restored once the gather lands.
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(data)
         # Registered before issuing: whatever happens below, the works stay in sight.
-        self._gather = Pending()
+        self._gather = Pending(then=self._store_piece_after(source, data))
         try:
-            all_gather(data, self.compute_shard, self.process_group, into=self._gather, comm=self.comm)
+            all_gather(data, source, group, kind=kind, into=self._gather, comm=self.comm)
         except BaseException:
             if self._gather.in_flight:
                 self.unsharded.abandon()  # a failed work may still write into it; _gather stays failed
@@ -424,7 +499,7 @@ class ParamGroup:
         if not self._grad_indices:
             return
         if self.grad_buffer is None:
-            self.grad_buffer = grad_buffers.zeros(self.layout.total_numel, self.grad_dtype, self.shard.device)
+            self.grad_buffer = self.spares.zeros(self.layout.total_numel, self.grad_dtype, self.device)
         for i in self._grad_indices:
             slot = self.layout.slots[i]
             self.unsharded_params[i].main_grad = self.grad_buffer.narrow(0, slot.offset, slot.numel).view(slot.shape)
@@ -458,7 +533,8 @@ class ParamGroup:
         self.end_backward()
 
     def end_backward(self) -> None:
-        """Reset the per-backward gradient bookkeeping."""
+        """Reset the per-backward gradient bookkeeping; drop the post-forward shard."""
+        self.post_forward_piece = None
         self._grads_seen.clear()
         self.reduced_this_backward = False
         self.received_grads = False
@@ -480,7 +556,7 @@ class ParamGroup:
         if self.grad_buffer is None:
             if not zeros_if_none:
                 return None
-            self.grad_buffer = grad_buffers.zeros(self.layout.total_numel, self.grad_dtype, self.shard.device)
+            self.grad_buffer = self.spares.zeros(self.layout.total_numel, self.grad_dtype, self.device)
         buffer, self.grad_buffer = self.grad_buffer, None
         self._drop_main_grads()
         self.reduced_this_backward = True
@@ -491,7 +567,8 @@ class ParamGroup:
             return PendingReduce(self, Pending(None), buffer)
         if self.plan.grads:
             # dp_shard's share of the gradients: the main shard, or under outer 'optim' the compute shard.
-            output = torch.empty(self.compute_shard.numel(), dtype=buffer.dtype, device=buffer.device)
+            numel = self.layout.shard_numel * (self.outer.outer_size if self.outer is not None else 1)
+            output = torch.empty(numel, dtype=buffer.dtype, device=buffer.device)
             work = reduce_scatter(output, buffer, self.reduce_process_group, input_is_scratch=True, comm=self.comm)
             # No gradient aliases the buffer; a cast copy (comm dtype) is not worth keeping.
             return PendingReduce(self, work, output, scratch=buffer if buffer.dtype == self.grad_dtype else None)
@@ -523,7 +600,13 @@ class ParamGroup:
         return Pending(), reduced_shard
 
     def install_grads(self, reduced_shard: torch.Tensor) -> None:
-        """Add the reduced shard into the sharded parameters' ``.grad`` (creating them)."""
+        """Add the reduced shard into the sharded parameters' ``.grad`` (creating them).
+
+        Under CPU offload the shard is first copied to the host, where the gradients live.
+        """
+        if self.offload is not None:
+            reduced_shard = download(reduced_shard, self.dtype, self.offload)
+            self.downloads += 1
         for i in sorted(self._grad_indices):
             param = self.sharded_params[i]
             local = self.shard_view(i, reduced_shard).to(self.dtype)

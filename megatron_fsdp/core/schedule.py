@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megatron_fsdp.comm.collectives import Pending, all_gather, all_reduce_max
+from megatron_fsdp.comm.collectives import Pending, all_reduce_max
 
 if TYPE_CHECKING:
     from megatron_fsdp.core.param_group import ParamGroup, PendingReduce
@@ -80,13 +80,7 @@ def gathers_once_per_step(unit: FSDPUnit) -> bool:
 
 def _participate(unit: FSDPUnit) -> list[Pending]:
     """Issue ``unit``'s all-gathers into scratch: the data is not needed here, the pairing is."""
-    works = []
-    for group in unit.groups:
-        if group.gathers:
-            group.refresh_compute()
-            scratch = torch.empty(group.layout.total_numel, dtype=group.compute_dtype, device=group.shard.device)
-            works.append(all_gather(scratch, group.compute_shard, group.process_group, comm=group.comm))
-    return works
+    return [group.participate() for group in unit.groups if group.gathers]
 
 
 @dataclass
@@ -150,7 +144,7 @@ class CollectiveSchedule:
             dp = anchor.dp
             ranks = dp.mesh.mesh.flatten().tolist()
             self.control = group_copy("control", dp.shard_group, ranks)
-            self.device = anchor.shard.device
+            self.device = anchor.device
             self.leader = dist.get_rank(self.control) == 0
             for group in self.groups:
                 group.reduce_process_group = group_copy("reduce", group.process_group)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import OffloadPolicy
 
 from megatron_fsdp.core import step_guard
 from megatron_fsdp.core.grad_scaling import resolve_grad_scaling
@@ -20,8 +21,10 @@ from megatron_fsdp.core.lookup import units_of
 from megatron_fsdp.core.meta_init import META_BUFFERS
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.core.module import FSDPModule, make_fsdp_module
+from megatron_fsdp.core.offload import resolve_offload_policy
 from megatron_fsdp.core.options import EngineOptions, resolve_options
 from megatron_fsdp.core.param_group import ParamGroup, ParamRef
+from megatron_fsdp.core.post_forward_shard import check_post_forward_size, post_forward_mesh
 from megatron_fsdp.core.unit import FSDPUnit
 from megatron_fsdp.core.validation import (
     check_optional_name,
@@ -103,13 +106,14 @@ def shard_module(
     *,
     mesh: DeviceMesh | None = None,
     sharding_strategy: str | int | ShardingPlan = "optim_grads_params",
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     gradient_scaling: str | float = "mean",
     outer_sharding_strategy: str = "no_shard",
     dp_shard_dim: str | None = None,
     dp_outer_dim: str | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     options: EngineOptions | None = None,
+    offload_policy: OffloadPolicy | None = None,
 ) -> nn.Module:
     """The per-module ``fully_shard``: shard ``module``'s parameters and make it an ``FSDPModule``.
 
@@ -125,7 +129,8 @@ def shard_module(
     for child in units_of(module):  # before anything changes: the units under it take its options
         child.check_enclosing_options(resolved, f"fully_shard({type(module).__name__}, options=...)")
     plan = resolve_strategy(sharding_strategy)
-    reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
+    reshard_after_forward = check_reshard_after_forward(reshard_after_forward, allow_int=True)
+    offload = resolve_offload_policy(offload_policy)
     scaling = resolve_grad_scaling(gradient_scaling)
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a megatron_fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
@@ -145,6 +150,18 @@ def shard_module(
                 "outer_sharding_strategy='no_shard'"
             )
         dp_mesh = dataclasses.replace(dp_mesh, outer_optim=True)
+        if offload is not None:
+            raise NotImplementedError(
+                "offload_policy=CPUOffloadPolicy() with outer_sharding_strategy='optim' is not supported; "
+                "use outer_sharding_strategy='no_shard' or offload_policy=None"
+            )
+    post_forward = None
+    if not isinstance(reshard_after_forward, bool):
+        # N == dp_shard size is True; N == 1 keeps a full copy, as False does (core/post_forward_shard.py).
+        check_post_forward_size(reshard_after_forward, dp_mesh.shard_size)
+        if plan.params and 1 < reshard_after_forward < dp_mesh.shard_size:
+            post_forward = post_forward_mesh(dp_mesh.shard_group, reshard_after_forward)
+        reshard_after_forward = reshard_after_forward > 1
     refs = _collect_params(module)
     _validate_params(module, refs)
     device = mesh_device(dp_mesh.mesh)
@@ -163,7 +180,8 @@ def shard_module(
     unit.groups = [
         ParamGroup(
             group, dp_mesh, STRATEGIES["no_shard"] if replicated else plan, device, unit.on_grads_ready, mp_policy,
-            comm=unit.comm, pool=unit.pool,
+            comm=unit.comm, pool=unit.pool, spares=unit.spares, offload=offload,
+            post_forward=None if replicated else post_forward,
         )
         for (_, _, replicated), group in by_kind.items()
     ]

@@ -18,7 +18,6 @@ from torch.autograd import Variable
 
 from megatron_fsdp.comm.profiling import REDUCE_WAIT, trace_range
 from megatron_fsdp.core.schedule import CollectiveSchedule
-from megatron_fsdp.memory import grad_buffers
 
 if TYPE_CHECKING:
     from megatron_fsdp.core.param_group import PendingReduce
@@ -61,6 +60,12 @@ class RootState:
             for unit in self.units:
                 unit.mark_weights_stale()
         self._forward_without_backward = False
+        # reshard_after_forward=N: this forward's gathers store the post-forward shard,
+        # decided here once for every rank alike (core/post_forward_shard.py).
+        keep = torch.is_grad_enabled()
+        for unit in self.units:
+            for group in unit.groups:
+                group.keep_post_forward = keep and unit.reshard_after_forward and unit is not self.root
         self.schedule.begin_forward()
 
     def record_forward(self, unit: FSDPUnit) -> None:
@@ -73,6 +78,9 @@ class RootState:
     def end_forward(self) -> None:
         """The root's forward finished: close the phase with every rank (core/schedule.py)."""
         self.schedule.end_forward([unit.forward_grad_calls > 0 for unit in self.units])
+        for unit in self.units:
+            for group in unit.groups:
+                group.keep_post_forward = False
         self._forward_without_backward = True
         if not torch.is_grad_enabled():
             # No backward follows (evaluation): the modules hold their sharded
@@ -108,7 +116,7 @@ class RootState:
     def drain(self) -> None:
         while self._in_flight:
             self._finish_oldest()
-        grad_buffers.drop_all()  # spares serve one backward; none is held between steps
+        self.root.spares.drop_all()  # spares serve one backward; none is held between steps
 
     def _finish_oldest(self) -> None:
         with trace_range(REDUCE_WAIT, self.root.device):
@@ -119,7 +127,7 @@ class RootState:
         if reduce.defer_install:
             self._zeros_only.append(reduce)
         if reduce.scratch is not None:  # the next unit's backward re-uses it
-            grad_buffers.give_back(reduce.scratch)
+            self.root.spares.give_back(reduce.scratch)
 
     def finish_backward(self) -> None:
         """Issue the reductions left (in the agreed order), wait, install, reshard, reset."""

@@ -32,6 +32,7 @@ from megatron_fsdp.core.options import EngineOptions, differing_root_fields, res
 from megatron_fsdp.core.param_group import ParamGroup
 from megatron_fsdp.core.state import RootState
 from megatron_fsdp.memory.allocator import pool_for
+from megatron_fsdp.memory.grad_buffers import GradSpares
 from megatron_fsdp.sharding.strategy import ShardingPlan
 
 
@@ -75,6 +76,7 @@ class FSDPUnit:
         self.options = resolve_options(options)
         self.comm = CommConfig(self.options.gloo_fast_paths, self.options.side_streams, CommStats())
         self.pool = pool_for(self.options.buffer_pool)
+        self.spares = GradSpares()  # the root's serve every unit under it (adopt)
         self.plan = plan
         self.mp_policy = mp_policy
         self.grad_scaling = grad_scaling
@@ -120,7 +122,7 @@ class FSDPUnit:
             )
 
     def adopt(self, root: FSDPUnit) -> None:
-        """Run with the options, collectives config (and stats) and pool of ``root``, which encloses this unit."""
+        """Run with the options, collectives config (and stats), pool and spares of ``root``, which encloses this."""
         self.check_enclosing_options(root.options, f"fully_shard({type(root.module).__name__})")
         if not self.options_given:
             self.prefetch_depth = root.options.prefetch_depth
@@ -128,8 +130,9 @@ class FSDPUnit:
         self.options = root.options
         self.comm = root.comm
         self.pool = root.pool
+        self.spares = root.spares
         for group in self.groups:
-            group.use(self.comm, self.pool)
+            group.use(self.comm, self.pool, self.spares)
 
     @property
     def module(self) -> nn.Module:
@@ -239,7 +242,7 @@ class FSDPUnit:
     @property
     def device(self) -> torch.device | None:
         """Where this unit's parameters live (for NVTX ranges); None without parameters."""
-        return self.groups[0].shard.device if self.groups else None
+        return self.groups[0].device if self.groups else None
 
     def release_before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         """``state_dict`` pre-hook: an idle unit saves its sharded main weights, not gathered copies.

@@ -33,13 +33,25 @@ def check_bool(argument: str, value: Any, *, where: str = "fully_shard") -> bool
     return value
 
 
-def check_reshard_after_forward(value: Any, *, where: str = "fully_shard") -> bool:
-    """True/False; an int (FSDP2's 'reshard to a smaller group') is not built yet."""
+def check_reshard_after_forward(value: Any, *, where: str = "fully_shard", allow_int: bool = False) -> bool | int:
+    """True/False, or with ``allow_int`` a positive int (FSDP2's post-forward sub-group size).
+
+    Whether the int divides the shard-group size is checked once the mesh is known
+    (``post_forward_shard.check_post_forward_size``).
+    """
     if isinstance(value, int) and not isinstance(value, bool):
-        raise NotImplementedError(
-            f"{where}: reshard_after_forward={value!r}: resharding to a smaller group after forward (FSDP2's int "
-            "form) is not implemented; use True (free gathered weights after forward) or False (keep them)"
-        )
+        if not allow_int:
+            raise NotImplementedError(
+                f"{where}: reshard_after_forward={value!r}: the post-forward sub-group size (FSDP2's int form) is "
+                "set once, by fully_shard(module, reshard_after_forward=N); here use True (free gathered weights "
+                "after forward) or False (keep them)"
+            )
+        if value < 1:
+            raise ValueError(
+                f"{where}: reshard_after_forward={value}: an int must be a positive factor of the dp_shard size "
+                "(the post-forward sub-group size); or use True or False"
+            )
+        return value
     return check_bool("reshard_after_forward", value, where=where)
 
 

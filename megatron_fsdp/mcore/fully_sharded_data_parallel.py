@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from megatron_fsdp.api.config import check_adapter_options
 from megatron_fsdp.api.fully_shard_model import fully_shard_model
 from megatron_fsdp.api.megatron_fsdp import TransparentWrapper
+from megatron_fsdp.sharding.mesh import _is_flattened
 
 
 def _base_class() -> type:
@@ -62,6 +63,31 @@ def _data_parallel_mesh(ddp_config: Any, device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, (instances, world // instances), mesh_dim_names=("dp_outer", "dp_shard"))
 
 
+def _shard_dim(mesh: DeviceMesh) -> str:
+    """FSDP's shard dimension: ``dp_shard_cp`` (dp_shard x cp, flattened) when the mesh has one."""
+    return "dp_shard_cp" if _is_flattened(mesh, "dp_shard_cp") else "dp_shard"
+
+
+def _check_mesh(mesh: DeviceMesh, ddp_config: Any) -> DeviceMesh:
+    """A caller's mesh (e.g. ``(dp_shard, cp, tp)`` with model parallelism) must name its data-parallel dims."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if "dp_shard" not in names:
+        raise ValueError(f"FullyShardedDataParallel(device_mesh=...) needs a 'dp_shard' dimension; it has {names}")
+    if "cp" in names and mesh.size(names.index("cp")) > 1 and not _is_flattened(mesh, "dp_shard_cp"):
+        raise ValueError(
+            "device_mesh has a 'cp' dimension: flatten it with dp_shard first "
+            "(device_mesh[('dp_shard', 'cp')]._flatten('dp_shard_cp')), FSDP shards over both"
+        )
+    instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
+    outer = mesh.size(names.index("dp_outer")) if "dp_outer" in names else 1
+    if outer != instances:
+        raise ValueError(
+            f"device_mesh has a dp_outer dimension of size {outer} but num_distributed_optimizer_instances is "
+            f"{instances}; they must agree"
+        )
+    return mesh
+
+
 class FullyShardedDataParallel(TransparentWrapper, _BASE):
     """Megatron-FSDP as a drop-in for megatron-core's data-parallel wrapper.
 
@@ -78,6 +104,7 @@ class FullyShardedDataParallel(TransparentWrapper, _BASE):
         disable_bucketing: bool = False,
         device: torch.device | None = None,
         pg_collection: Any = None,
+        device_mesh: DeviceMesh | None = None,
     ) -> None:
         if _BASE is nn.Module:
             super().__init__()
@@ -100,14 +127,15 @@ class FullyShardedDataParallel(TransparentWrapper, _BASE):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(
                 dist.get_backend()) and torch.cuda.is_available() else torch.device("cpu")
-        mesh = _data_parallel_mesh(ddp_config, device)
-        hsdp = mesh.ndim == 2
+        mesh = _data_parallel_mesh(ddp_config, device) if device_mesh is None else _check_mesh(device_mesh, ddp_config)
+        hsdp = "dp_outer" in (mesh.mesh_dim_names or ())
         self.module = fully_shard_model(
             module,
             fsdp_unit_modules=units,
             device_mesh=mesh,
-            dp_shard_dim="dp_shard",
+            dp_shard_dim=_shard_dim(mesh),
             dp_outer_dim="dp_outer" if hsdp else None,
+            tp_dim="tp" if "tp" in (mesh.mesh_dim_names or ()) else None,
             zero_dp_strategy=ddp_config.data_parallel_sharding_strategy,
             outer_dp_sharding_strategy=getattr(ddp_config, "outer_dp_sharding_strategy", "no_shard"),
             init_model_with_meta_device=bool(getattr(config, "init_model_with_meta_device", False)),

@@ -9,6 +9,9 @@ it. At most ``MAX_SPARE`` are kept and all are dropped at the end of every backw
 so nothing is held between steps and the peak is unchanged: a buffer is handed back
 just as the reduction that used it finishes, and taken by the next unit's backward.
 
+One ``GradSpares`` per root (every unit under it shares the root's): two models in
+one process never trade buffers, and each root's counters are its own.
+
 Stream safety (CUDA): a buffer is handed back only after ``Pending.wait()`` made the
 current stream wait for the collective that read it; zeroing it again is queued on
 that stream after it. A reduction whose wait raised never hands its buffer back: the
@@ -20,31 +23,34 @@ from __future__ import annotations
 import torch
 
 MAX_SPARE = 2
-_spare: list[torch.Tensor] = []
-counts = {"allocated": 0, "reused": 0}  # since import; for tests and benchmarks
 
 
-def zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed 1-D gradient buffer, re-using a spare one of the same size, dtype and device."""
-    for i, buffer in enumerate(_spare):
-        if buffer.numel() == numel and buffer.dtype == dtype and buffer.device == device:
-            counts["reused"] += 1
-            return _spare.pop(i).zero_()
-    counts["allocated"] += 1
-    return torch.zeros(numel, dtype=dtype, device=device)
+class GradSpares:
+    """Up to ``MAX_SPARE`` gradient buffers between a reduction's end and the next unit's backward."""
 
+    def __init__(self) -> None:
+        self._spare: list[torch.Tensor] = []
+        self.allocated = 0  # buffers made since this root was sharded (for tests and benchmarks)
+        self.reused = 0
 
-def spare_count() -> int:
-    """How many spare buffers are held now (0 outside a backward)."""
-    return len(_spare)
+    def zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed 1-D gradient buffer, re-using a spare one of the same size, dtype and device."""
+        for i, buffer in enumerate(self._spare):
+            if buffer.numel() == numel and buffer.dtype == dtype and buffer.device == device:
+                self.reused += 1
+                return self._spare.pop(i).zero_()
+        self.allocated += 1
+        return torch.zeros(numel, dtype=dtype, device=device)
 
+    def spare_count(self) -> int:
+        """How many spare buffers are held now (0 outside a backward)."""
+        return len(self._spare)
 
-def give_back(buffer: torch.Tensor) -> None:
-    """Keep ``buffer`` (no tensor may alias it any more) for the next ``zeros`` of its size."""
-    if len(_spare) < MAX_SPARE:
-        _spare.append(buffer)
+    def give_back(self, buffer: torch.Tensor) -> None:
+        """Keep ``buffer`` (no tensor may alias it any more) for the next ``zeros`` of its size."""
+        if len(self._spare) < MAX_SPARE:
+            self._spare.append(buffer)
 
-
-def drop_all() -> None:
-    """Release every spare buffer (end of backward)."""
-    _spare.clear()
+    def drop_all(self) -> None:
+        """Release every spare buffer (end of backward)."""
+        self._spare.clear()

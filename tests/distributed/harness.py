@@ -3,6 +3,14 @@
 Launching processes is the slow part of a distributed test, so each test file
 spawns one group per world size and runs all its checks in it; pytest then
 reports every check separately from the collected results.
+
+- ``@check(SUITE, world_sizes, params)`` registers a function (one check per
+  combination of ``params``); ``pytest_suite(module)`` is the test file's shim.
+- Every rank writes ``{name: None or traceback}`` after each check; a check fails
+  if it failed on any rank, and a rank that died fails every check it did not
+  report (``SuiteRun.failures``). Nothing is retried.
+
+tests/README.md says how to add a check.
 """
 
 from __future__ import annotations
@@ -10,7 +18,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import functools
 import gc
+import inspect
+import itertools
 import json
 import os
 import shutil
@@ -18,14 +29,14 @@ import socket
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-CHECKS: dict[str, list[tuple[str, Callable[[], None]]]] = {}
+CHECKS: dict[str, list[tuple[str, Callable[[], None]]]] = {}  # "<suite>@<world size>" -> [(name, check)]
 # A check still running after this long prints every thread's stack (to the
 # test's captured stderr) before gloo's 120 s timeout turns a hang into a bare
 # "Application timeout" with no trace of where each rank was.
@@ -33,20 +44,61 @@ WATCHDOG_S = 90
 # A fixed mmap threshold makes glibc return freed large blocks to the OS at once, so
 # peak-RSS checks measure tensors, not allocator caching (set for the ranks by run_suite).
 MMAP_THRESHOLD = 1 << 16
+# Types a parameter value may have: each is written into the check's name as str(value).
+PARAM_TYPES = (str, int, float, bool)
+Params = Mapping[str, Sequence[object]]  # parameter name -> the values a check runs with
 
 
-def check(suite: str, world_sizes: tuple[int, ...] = (2, 4)):
-    """Register ``fn`` as a check of ``suite`` run at each of ``world_sizes``."""
+def variants(fn: Callable[..., None], params: Params | None) -> list[tuple[str, Callable[[], None]]]:
+    """``fn`` once per combination of ``params`` values, named ``fn[key=value,...]`` (just ``fn`` without params).
 
-    def register(fn: Callable[[], None]) -> Callable[[], None]:
+    Combinations are the cartesian product in the order given; each calls ``fn(**combination)``.
+    """
+    if not params:
+        return [(fn.__name__, fn)]
+    for key, values in params.items():
+        if isinstance(values, str | bytes) or not values:
+            raise ValueError(f"check {fn.__name__}: params[{key!r}] must be a non-empty list of values, got {values!r}")
+        bad = [v for v in values if not isinstance(v, PARAM_TYPES)]
+        if bad:
+            raise TypeError(f"check {fn.__name__}: params[{key!r}] values must be str, int, float or bool "
+                            f"(they name the check), got {bad!r}")
+    try:
+        inspect.signature(fn).bind(**dict.fromkeys(params))
+    except TypeError as exc:
+        raise TypeError(f"check {fn.__name__}: params {sorted(params)} do not fit its arguments: {exc}") from None
+    found = []
+    for combination in itertools.product(*params.values()):
+        kwargs = dict(zip(params, combination))
+        label = ",".join(f"{key}={value}" for key, value in kwargs.items())
+        found.append((f"{fn.__name__}[{label}]", functools.partial(fn, **kwargs)))
+    return found
+
+
+def check(suite: str, world_sizes: tuple[int, ...] = (2, 4), params: Params | None = None):
+    """Register ``fn`` as a check of ``suite`` run at each of ``world_sizes``.
+
+    ``params={"strategy": ["optim", "no_shard"]}`` registers one check per value (per combination, for
+    several keys), named ``fn[strategy=optim]`` and called as ``fn(strategy="optim")``; every variant runs
+    in the suite's one process group per world size, so parameters cost no process launches.
+    """
+
+    def register(fn: Callable[..., None]) -> Callable[..., None]:
+        found = variants(fn, params)
         for n in world_sizes:
-            CHECKS.setdefault(f"{suite}@{n}", []).append((fn.__name__, fn))
+            registered = CHECKS.setdefault(f"{suite}@{n}", [])
+            for name, variant in found:
+                if name in (known for known, _ in registered):
+                    # results are keyed by name: a second check of the same name would hide the first's outcome
+                    raise ValueError(f"suite {suite!r} already has a check named {name!r} at world size {n}")
+                registered.append((name, variant))
         return fn
 
     return register
 
 
 def names(suite: str, world_size: int) -> list[str]:
+    """The names of ``suite``'s checks at ``world_size``, in the order they run."""
     return [name for name, _ in CHECKS.get(f"{suite}@{world_size}", [])]
 
 
@@ -105,7 +157,11 @@ def _worker(rank: int, world_size: int, port: int, module: str, suite: str, out_
             for later, _ in checks[i + 1:]:
                 results[later] = f"not run: the process group broke after {name!r} (a rank failed or hung there)"
             _write_results(out_dir, rank, results)
-            os._exit(0)  # the broken group cannot be destroyed cleanly
+            # Leave at once, skipping interpreter shutdown: a gloo group broken by a timeout or a
+            # lost peer cannot be destroyed (destroy_process_group and the group's destructors wait
+            # on, or abort over, the dead connections), and this rank's results are on disk. Status
+            # 0 because the failures are reported per check above, not as a lost rank.
+            os._exit(0)
     # Reference cycles inside torch keep finished gloo work alive; freed at
     # interpreter exit they abort the process ("terminate called without an
     # active exception"). Collect them while the process group still exists.
@@ -176,7 +232,7 @@ def pytest_suite(checks_module, world_sizes: tuple[int, ...] = (2, 4)):
 
     Use as ``results, test_<name> = pytest_suite(<checks module>)`` in a test file.
     """
-    import pytest
+    import pytest  # here, not at the top: the spawned ranks import this module and never need pytest
 
     suite = checks_module.SUITE
 

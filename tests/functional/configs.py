@@ -91,6 +91,25 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     # The 2-rank ZeRO-3 checkpoint resumed at 4 ranks with ZeRO-1: the 2-rank run's curve continues.
     _cfg("resume_4_from_2_optim", 4, " ".join([*FSDP, "optim", "--load {ckpt2}"]), baseline="optim_grads_params",
          first=9),
+    # Tensor parallelism (TP2 x DP2): the same data-parallel size and global batch as the 2-rank runs, so the
+    # same curve within fp32 rounding (Megatron's layers sum partial products in another order).
+    _cfg("tp2_ddp_4", 4, "--tensor-model-parallel-size 2", baseline="ddp"),
+    _cfg("tp2_optim_grads_params_4", 4, " ".join([*FSDP, "optim_grads_params", "--tensor-model-parallel-size 2"]),
+         baseline="optim_grads_params"),
+    _cfg("tp2_sp_optim_grads_params_4", 4, " ".join([*FSDP, "optim_grads_params", "--tensor-model-parallel-size 2",
+                                                      "--sequence-parallel"]), baseline="optim_grads_params"),
+    _cfg("tp2_sp_optim_4", 4, " ".join([*FSDP, "optim", "--tensor-model-parallel-size 2", "--sequence-parallel",
+                                         "--swiglu", "--position-embedding-type rope"])),
+    # Context parallelism (CP2 x DP2; TP2 x CP2 x DP1 with 4 micro-batches per step): the same global batches.
+    _cfg("cp2_ddp_4", 4, "--context-parallel-size 2", baseline="ddp"),
+    _cfg("cp2_optim_grads_params_4", 4, " ".join([*FSDP, "optim_grads_params", "--context-parallel-size 2"]),
+         baseline="optim_grads_params"),
+    _cfg("tp2_cp2_sp_optim_grads_params_4", 4, " ".join([*FSDP, "optim_grads_params", "--context-parallel-size 2",
+                                                          "--tensor-model-parallel-size 2", "--sequence-parallel"]),
+         baseline="optim_grads_params"),
+    # The 2-rank ZeRO-3 checkpoint resumed with CP2 x DP2: the 2-rank run's curve continues.
+    _cfg("resume_cp2_4_from_2", 4, " ".join([*FSDP, "optim_grads_params", "--context-parallel-size 2",
+                                              "--load {ckpt2}"]), baseline="optim_grads_params", first=9),
     # The 2-rank dropout checkpoint at 4 ranks: RNG states are not restored (a warning says so).
     _cfg("resume_dropout_4_from_2", 4, " ".join([*FSDP, "optim_grads_params", DROPOUT, "--load {ckpt2}-dropout"]),
          baseline="dropout", first=9, baseline_rtol=OTHER_WORLD_DROPOUT_RTOL),

@@ -18,7 +18,6 @@ import gc
 import io
 import json
 import os
-import sys
 import tempfile
 import traceback
 
@@ -32,7 +31,6 @@ GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden_values
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str,
             only: list[str] | None = None) -> None:
-    sys.path.insert(0, ROOT)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -91,7 +89,6 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", default=None,
                         help="run (and regenerate) only these configurations; list a resume's save too")
     args = parser.parse_args()
-    sys.path.insert(0, ROOT)
     golden = {}
     if args.configs is not None:
         with open(GOLDEN) as f:

@@ -13,7 +13,6 @@ import io
 import json
 import os
 import shutil
-import sys
 import traceback
 
 import pytest
@@ -22,7 +21,6 @@ import torch.distributed as dist
 
 from tests.distributed.harness import error_on_every_rank, spawn_and_collect
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ("--mock-data --vocab-size 60 --num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 8 --log-interval 1 --use-megatron-fsdp "
         "--data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor").split()
@@ -62,7 +60,6 @@ def _cases(tmp: str) -> list[tuple[str, list[str], object]]:
 
 
 def _worker(rank: int, port: int, tmp: str) -> None:
-    sys.path.insert(0, ROOT)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)

@@ -1,0 +1,164 @@
+"""Data-parallel backends: DDP (the baseline) and megatron_fsdp behind one interface.
+
+The training loop asks a backend for what differs between the two (how micro-batches
+accumulate, autocast, how summed per-token losses are scaled, the gradient buffers,
+the optimizer wrapper) and never branches on the wrapper's type.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from megatron_fsdp.core.microbatch import microbatch
+from megatron_fsdp.core.module import FSDPModule
+from megatron_fsdp.mcore import FullyShardedDataParallel
+from megatron_fsdp.optim.grad_norm import clip_grad_norm_
+from megatron_fsdp.optim.optimizer import fully_shard_optimizer
+from megatron_fsdp.parallel import allreduce_sequence_parallel_grads, params_for_grad_norm
+
+from .initialize import print_rank_0
+from .model_setup import ddp_config_from_args
+from .parallel_state import ParallelLayout
+
+
+class DataParallelBackend(abc.ABC):
+    """A wrapped model and the operations the loop needs on it."""
+
+    def __init__(self, model: nn.Module, device: torch.device, layout: ParallelLayout) -> None:
+        self.model = model  # what forward_step calls
+        self.device = device
+        self.layout = layout  # the data-parallel group the loop sums losses over, the TP group
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's module under the wrapper (what checkpoints save, with its own parameter names)."""
+        return unwrap_model(self.model)
+
+    @abc.abstractmethod
+    def accumulation(self, is_first: bool, is_last: bool) -> AbstractContextManager:
+        """The context of one micro-batch's forward and backward: reduce only on the last."""
+
+    def autocast(self) -> AbstractContextManager:
+        """The forward's autocast (none unless the backend computes in a lower precision that way)."""
+        return contextlib.nullcontext()
+
+    def summed_loss_factor(self) -> float:
+        """What a summed (per-token) loss is multiplied by before backward, for gradients to be sums over ranks."""
+        return 1.0
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the gradients to ``max_norm`` (inf: no clipping) by their global norm; return the norm.
+
+        Each parameter counts once: data-parallel shards and replicas by the gradients'
+        placements, tensor-parallel slices summed over TP, TP-replicated ones taken once.
+        Under sequence parallelism the TP-replicated gradients are first summed over TP.
+        """
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        tp = self.layout.tp
+        allreduce_sequence_parallel_grads(params, tp)
+        norm = clip_grad_norm_(params, max_norm, model_parallel_group=tp.group if tp.size > 1 else None,
+                               parameters_for_norm=params_for_grad_norm(params, tp))
+        return float(norm)
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None:
+        """Clear what the backend keeps of the last step's gradients (before the optimizer's zero_grad)."""
+
+    @abc.abstractmethod
+    def finish_grad_sync(self) -> None:
+        """Wait for every gradient reduction of this step (after the last backward)."""
+
+    @abc.abstractmethod
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every reduced gradient by ``factor``."""
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the loop steps (the backend may drive its sharded state)."""
+        return optimizer
+
+
+class DDPBackend(DataParallelBackend):
+    """``torch.nn.parallel.DistributedDataParallel``: fp32 weights, bf16 compute under autocast."""
+
+    def __init__(self, model: nn.Module, device: torch.device, layout: ParallelLayout, bf16: bool) -> None:
+        super().__init__(model, device, layout)
+        self.bf16 = bf16
+
+    def accumulation(self, is_first: bool, is_last: bool) -> AbstractContextManager:
+        return contextlib.nullcontext() if is_last else self.model.no_sync()
+
+    def autocast(self) -> AbstractContextManager:
+        if self.bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def summed_loss_factor(self) -> float:
+        return float(self.layout.grad_group_size)  # DDP averages over the ranks it reduces over: undo it
+
+    def zero_grad(self) -> None:
+        pass  # DDP keeps no gradient state outside .grad (the optimizer's zero_grad clears it)
+
+    def finish_grad_sync(self) -> None:
+        pass  # DDP's last backward returns after its all-reduces have finished
+
+    def scale_gradients(self, factor: float) -> None:
+        for param in self.model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(factor)
+
+
+class FSDPBackend(DataParallelBackend):
+    """megatron_fsdp through megatron-core's adapter: bf16 model weights, fp32 main weights."""
+
+    def accumulation(self, is_first: bool, is_last: bool) -> AbstractContextManager:
+        return microbatch(self.model, is_first=is_first, is_last=is_last)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+
+    def finish_grad_sync(self) -> None:
+        self.model.finish_grad_sync()
+
+    def scale_gradients(self, factor: float) -> None:
+        self.model.scale_gradients(factor)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return fully_shard_optimizer(optimizer)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module under DDP / FullyShardedDataParallel / MegatronFSDP wrappers."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module) and not isinstance(model, FSDPModule):
+        model = model.module
+    return model
+
+
+def build_backend(
+    args: argparse.Namespace, model_provider: Callable[..., nn.Module], device: torch.device, layout: ParallelLayout
+) -> DataParallelBackend:
+    """Build with ``model_provider`` (on the meta device if asked), then wrap in FSDP or DDP over ``layout``."""
+    meta = args.use_megatron_fsdp and args.init_model_with_meta_device
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = model_provider(pre_process=True, post_process=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    print_rank_0(f" > number of parameters on (data-parallel) rank 0: {n_params}")
+    if not args.use_megatron_fsdp:
+        model.to(device)
+        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                      process_group=layout.grad_group)
+        return DDPBackend(wrapped, device, layout, bf16=args.bf16)
+    if args.bf16:
+        model.to(torch.bfloat16)  # compute weights; fp32 main weights kept by preserve_fp32_weights
+    if not meta:
+        model.to(device)
+    # Units: the adapter's default, the model's TransformerLayer class (ours or megatron-core's).
+    wrapped = FullyShardedDataParallel(args, ddp_config_from_args(args), model, device_mesh=layout.mesh)
+    return FSDPBackend(wrapped, device, layout)

@@ -1,0 +1,178 @@
+"""Asynchronous work and the memory it writes into: nothing lost, nothing freed early.
+
+The heap corruption once seen in CI ("corrupted size vs. prev_size", exit 134) is what
+freeing a gathered buffer while a broadcast still writes into it produces. These checks
+make collectives fail on purpose (every rank alike, so the group stays usable) and check
+that no work is forgotten, that a buffer is freed only once nothing writes into it, and
+that no work outlives the forward or backward that issued it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_fsdp import comm_stats, fully_shard
+from megatron_fsdp.comm.collectives import works_in_flight
+from megatron_fsdp.memory.allocator import BufferPool
+from tests.distributed.harness import check
+from tests.models import Block, Net, local_batch, loss_fn
+
+SUITE = "inflight"
+
+
+class TrackedWork:
+    """Wraps a real work: records its waits; ``fail`` makes ``wait`` raise without waiting."""
+
+    def __init__(self, real: dist.Work, fail: bool = False) -> None:
+        self.real, self.fail, self.waited = real, fail, False
+
+    def wait(self) -> bool:
+        if self.fail:
+            raise RuntimeError("injected: this broadcast's wait failed")
+        self.waited = True
+        return self.real.wait()
+
+
+@contextlib.contextmanager
+def broadcasts(wrap: Callable[[int, Callable[[], dist.Work]], object]) -> Iterator[None]:
+    """Route ``dist.broadcast`` through ``wrap(call number, issue)`` (the gloo all-gather path uses it)."""
+    real = dist.broadcast
+    calls = [0]
+
+    def broadcast(*args, **kwargs):
+        calls[0] += 1
+        return wrap(calls[0], lambda: real(*args, **kwargs))
+
+    dist.broadcast = broadcast
+    try:
+        yield
+    finally:
+        dist.broadcast = real
+
+
+def full_weights(block: Block) -> list[torch.Tensor]:
+    return [p.full_tensor() for p in block.parameters()]
+
+
+@check(SUITE)
+def an_error_issuing_the_gather_waits_for_what_was_issued() -> None:
+    block = fully_shard(Block())
+    group = block.fsdp_unit.groups[0]
+    expected = full_weights(block)
+    issued: list[TrackedWork] = []
+
+    def refuse_second(call: int, issue: Callable[[], dist.Work]) -> TrackedWork:
+        if call == 2:
+            raise RuntimeError("injected: broadcast refused")
+        issued.append(TrackedWork(issue()))
+        return issued[-1]
+
+    with broadcasts(refuse_second):
+        try:
+            block.unshard()
+        except RuntimeError as exc:
+            assert "injected: broadcast refused" in str(exc), exc
+        else:
+            raise AssertionError("the injected error was swallowed")
+    assert len(issued) == 1 and issued[0].waited, "the broadcast issued before the error was not waited for"
+    assert not group.gather_in_flight and not group.unsharded.allocated and works_in_flight() == 0
+    block.unshard()  # nothing broke: the group gathers again
+    for p, full in zip(block.parameters(), expected):
+        assert torch.equal(p, full)
+    block.reshard()
+    assert not group.unsharded.allocated
+
+
+@check(SUITE)
+def a_failed_wait_abandons_the_buffer_and_waits_for_the_others() -> None:
+    block = fully_shard(Block())
+    group = block.fsdp_unit.groups[0]
+    pool = BufferPool()  # this check's own pool: the abandoned slab stays lent for good
+    group.unsharded.pool = pool
+    works: list[TrackedWork] = []
+
+    def fail_first(call: int, issue: Callable[[], dist.Work]) -> TrackedWork:
+        works.append(TrackedWork(issue(), fail=call == 1))
+        return works[-1]
+
+    try:
+        with broadcasts(fail_first):
+            group.start_unshard()
+        assert group.gather_in_flight and works_in_flight() == len(works) == dist.get_world_size()
+        for action, message in ((group.finish_unshard, "injected"), (group.reshard, "failed earlier"),
+                                (block.unshard, "failed earlier"), (group.reshard, "failed earlier")):
+            try:
+                action()
+            except RuntimeError as exc:
+                assert message in str(exc), (action, exc)
+            else:
+                raise AssertionError(f"{action} did not raise after the gather failed")
+            # the failed broadcast may still be writing: its buffer is never freed nor lent again
+            assert group.unsharded.abandoned and group.unsharded.allocated
+            assert pool.stats().lent_bytes == (group.unsharded._nbytes if pool.enabled else 0)
+        assert all(w.waited for w in works[1:]), "the works after the failed one were forgotten"
+        assert works_in_flight() == 0  # the failed handle belongs to the group now
+        assert all(not isinstance(p, torch.nn.Parameter) or hasattr(p, "to_local") for p in block.parameters())
+    finally:
+        works[0].real.wait()  # the real broadcast: let it land before the next check
+
+
+@check(SUITE, world_sizes=(2,))
+def a_prefetch_can_be_waited_and_then_installed_without_gathering_again() -> None:
+    block = fully_shard(Block())
+    group = block.fsdp_unit.groups[0]
+    expected = full_weights(block)
+    block.fsdp_unit.prefetch()
+    assert group.gather_in_flight and works_in_flight() == dist.get_world_size()
+    group.wait_gather()
+    group.wait_gather()  # idempotent
+    assert not group.gather_in_flight and works_in_flight() == 0 and group.unsharded.allocated
+    comm_stats.reset()
+    block.unshard()
+    assert comm_stats.total_bytes == 0, "the landed gather was issued again"
+    for p, full in zip(block.parameters(), expected):
+        assert torch.equal(p, full)
+    block.reshard()
+    block.fsdp_unit.prefetch()
+    group.wait_gather()
+    block.reshard()  # a landed gather nobody installed is freed
+    assert not group.unsharded.allocated and not group.gather_in_flight
+
+
+def sharded_net(strategy: str) -> Net:
+    model = Net()
+    for blk in model.blocks:
+        fully_shard(blk, sharding_strategy=strategy)
+    return fully_shard(model, sharding_strategy=strategy)
+
+
+STRATEGIES = ("optim_grads_params", "optim_grads", "optim", "no_shard")
+
+
+@check(SUITE)
+def nothing_is_in_flight_after_backward() -> None:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for strategy in STRATEGIES:
+        model = sharded_net(strategy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            loss_fn(model, local_batch(step, rank, n)).backward()
+            assert works_in_flight() == 0, (strategy, step)
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+@check(SUITE)
+def nothing_is_in_flight_after_a_forward_without_backward() -> None:
+    """Net runs blocks[0] twice: its second forward prefetches blocks[1], which does not run again."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for strategy in STRATEGIES:
+        model = sharded_net(strategy)
+        for step in range(3):
+            with torch.no_grad():
+                loss_fn(model, local_batch(step, rank, n))
+            assert works_in_flight() == 0, (strategy, step)

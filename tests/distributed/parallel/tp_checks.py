@@ -1,0 +1,203 @@
+"""Megatron-style tensor, sequence and context parallelism (megatron_fsdp.parallel) against the unsplit model.
+
+Each check builds the same GPT twice from one seed, unsplit and split across a
+``(cp, tp)`` mesh of the ranks, and compares losses and gradients: a TP rank's
+gradient must be its slice of the unsplit gradient; CP ranks' gradients summed must
+be the unsplit one. fp32; tolerance 1e-5 relative to the largest value (partial
+products and softmax terms are summed in another order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from megatron.training.gpt_model import GPTConfig, GPTModel
+from megatron_fsdp.optim.grad_norm import get_grad_norm
+from megatron_fsdp.parallel import (
+    ContextParallel,
+    TensorParallel,
+    allreduce_sequence_parallel_grads,
+    params_for_grad_norm,
+    vocab_parallel_cross_entropy,
+)
+from megatron_fsdp.parallel.tp_group import take_partition
+from tests.distributed.harness import check
+
+SUITE = "tp"
+RTOL = 1e-5
+VARIANTS = {
+    "plain": dict(),
+    "gqa_swiglu_rope_untied": dict(num_query_groups=2, swiglu=True, position_embedding_type="rope",
+                                   untie_embeddings_and_output_weights=True, normalization="RMSNorm"),
+}
+
+
+def _config(**overrides) -> GPTConfig:
+    base = dict(num_layers=2, hidden_size=16, num_attention_heads=4, vocab_size=32, max_position_embeddings=8,
+                attention_dropout=0.0, hidden_dropout=0.0, ffn_hidden_size=24)
+    return GPTConfig(**{**base, **overrides})
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    scale = expected.abs().max().clamp(min=1e-12)
+    error = ((actual - expected).abs().max() / scale).item()
+    assert error <= RTOL, f"{what}: max relative difference {error:.3g} > {RTOL}"
+
+
+def _segments(name: str, config: GPTConfig) -> tuple[int, ...] | None:
+    """How the unsplit weight is partitioned (fused QKV and SwiGLU FC1 split per part)."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    if "qkv" in name:
+        q, kv = config.num_attention_heads * head_dim, config.query_groups * head_dim
+        return (q, kv, kv)
+    if "fc1" in name and config.swiglu:
+        return (config.ffn_size, config.ffn_size)
+    return None
+
+
+def _groups(tp_size: int, cp_size: int, sequence_parallel: bool) -> tuple[TensorParallel, ContextParallel]:
+    mesh = init_device_mesh("cpu", (cp_size, tp_size), mesh_dim_names=("cp", "tp"))
+    return (TensorParallel.from_group(mesh.get_group("tp"), sequence_parallel),
+            ContextParallel.from_group(mesh.get_group("cp")))
+
+
+def _pair(variant: str, sequence_parallel: bool, tp_size: int | None = None, cp_size: int = 1
+          ) -> tuple[GPTConfig, GPTModel, GPTModel, TensorParallel, ContextParallel]:
+    config = _config(**VARIANTS[variant])
+    tp_size = dist.get_world_size() // cp_size if tp_size is None else tp_size
+    tp, cp = _groups(tp_size, cp_size, sequence_parallel)
+    torch.manual_seed(7)
+    full = GPTModel(config)
+    torch.manual_seed(7)
+    split = GPTModel(config, tp, cp)
+    return config, full, split, tp, cp
+
+
+def _compare(variant: str, sequence_parallel: bool, tp_size: int | None = None, cp_size: int = 1) -> None:
+    config, full, split, tp, cp = _pair(variant, sequence_parallel, tp_size, cp_size)
+    what = f"{variant} tp={tp.size} cp={cp.size} sp={tp.sequence_parallel}"
+    g = torch.Generator().manual_seed(3)  # the same batch on every rank (one data-parallel rank)
+    tokens = torch.randint(0, config.vocab_size, (2, 9), generator=g)
+    full_losses = full(tokens[:, :-1], labels=tokens[:, 1:])
+    split_losses = split(cp.split(tokens[:, :-1]), labels=cp.split(tokens[:, 1:]))  # this CP rank's tokens
+    _close(split_losses, cp.split(full_losses), f"{what}: per-token losses")
+    full_losses.mean().backward()
+    (split_losses.sum() / full_losses.numel()).backward()  # this CP rank's share of the mean
+    for param in split.parameters():  # CP ranks' shares summed (what the gradient reduction over CP does)
+        if cp.size > 1:
+            dist.all_reduce(param.grad, group=cp.group)
+    allreduce_sequence_parallel_grads(list(split.parameters()), tp)
+    full_params = dict(full.named_parameters())
+    for name, param in split.named_parameters():
+        reference = full_params[name]
+        if getattr(param, "tensor_model_parallel", False):
+            dim, segments = param.partition_dim, _segments(name, config)
+            _close(param.detach(), take_partition(reference.detach(), tp, dim, segments), f"{what}: {name} slice")
+            _close(param.grad, take_partition(reference.grad, tp, dim, segments), f"{what}: {name} gradient slice")
+        else:
+            _close(param.detach(), reference.detach(), f"{what}: {name} (TP-replicated) weight")
+            _close(param.grad, reference.grad, f"{what}: {name} (TP-replicated) gradient")
+    group = tp.group if tp.size > 1 else None
+    norm = get_grad_norm(params_for_grad_norm(list(split.parameters()), tp), model_parallel_group=group)
+    _close(norm, get_grad_norm(list(full.parameters())), f"{what}: global gradient norm counted once")
+
+
+@check(SUITE, world_sizes=(2,))
+def tp_gpt_matches_unsplit_model():
+    for variant in VARIANTS:
+        _compare(variant, sequence_parallel=False)
+
+
+@check(SUITE, world_sizes=(2,))
+def sp_gpt_matches_unsplit_model():
+    for variant in VARIANTS:
+        _compare(variant, sequence_parallel=True)
+
+
+@check(SUITE, world_sizes=(2,))
+def cp_gpt_matches_unsplit_model():
+    for variant in VARIANTS:
+        _compare(variant, sequence_parallel=False, tp_size=1, cp_size=2)
+
+
+@check(SUITE, world_sizes=(4,))
+def tp2_cp2_sp_gpt_matches_unsplit_model():
+    for variant in VARIANTS:
+        _compare(variant, sequence_parallel=True, tp_size=2, cp_size=2)
+
+
+@check(SUITE, world_sizes=(2,))
+def context_parallel_split_is_load_balanced():
+    cp = _groups(1, 2, False)[1]
+    assert cp.sequence_indices(8, rank=0).tolist() == [0, 1, 6, 7]  # chunks 0 and 3 of 4
+    assert cp.sequence_indices(8, rank=1).tolist() == [2, 3, 4, 5]
+    assert cp.gathered_indices(8).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    try:
+        cp.sequence_indices(6)
+    except ValueError as error:
+        assert "divisible by 2 x --context-parallel-size (4)" in str(error), error
+    else:
+        raise AssertionError("a sequence of 6 split over 2 CP ranks: no error")
+
+
+@check(SUITE, world_sizes=(2,))
+def replicated_parameters_carry_megatron_attributes():
+    _, _, split, _, _ = _pair("plain", sequence_parallel=True)
+    attrs = {name: (getattr(p, "tensor_model_parallel", None), getattr(p, "partition_dim", None),
+                    getattr(p, "sequence_parallel", None)) for name, p in split.named_parameters()}
+    assert attrs["layers.0.attention.qkv.weight"][:2] == (True, 0)
+    assert attrs["layers.0.attention.proj.weight"][:2] == (True, 1)
+    assert attrs["layers.0.attention.proj.bias"] == (False, 0, True)  # row-parallel bias: summed over TP under SP
+    assert attrs["layers.0.input_norm.weight"][2] is True and attrs["final_norm.bias"][2] is True
+    assert attrs["word_embeddings.weight"][:2] == (True, 0)
+
+
+@check(SUITE, world_sizes=(2,))
+def vocab_parallel_cross_entropy_matches_full_softmax():
+    tp = TensorParallel.from_group(dist.group.WORLD)
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(3, 5, 10, generator=g) * 4).requires_grad_()
+    target = torch.randint(0, 10, (3, 5), generator=g)
+    expected = F.cross_entropy(logits.reshape(-1, 10), target.reshape(-1), reduction="none").view(3, 5)
+    local = take_partition(logits.detach(), tp, 2).requires_grad_()
+    losses = vocab_parallel_cross_entropy(local, target, tp)
+    _close(losses, expected, "per-token losses")
+    weights = torch.rand(3, 5, generator=g)
+    (expected * weights).sum().backward()
+    (losses * weights).sum().backward()
+    _close(local.grad, take_partition(logits.grad, tp, 2), "logit gradients")
+
+
+@check(SUITE, world_sizes=(2,))
+def meta_init_gives_the_eager_slices():
+    config = _config(**VARIANTS["gqa_swiglu_rope_untied"])
+    tp = TensorParallel.from_group(dist.group.WORLD, sequence_parallel=True)
+    torch.manual_seed(11)
+    eager = GPTModel(config, tp)
+    torch.manual_seed(11)
+    with torch.device("meta"):
+        meta = GPTModel(config, tp)
+    meta.to_empty(device="cpu")
+    for module in meta.modules():  # pre-order, as materialize_meta does
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    for (name, a), b in zip(eager.named_parameters(), meta.parameters()):
+        assert torch.equal(a, b), name
+
+
+@check(SUITE, world_sizes=(2,))
+def sizes_that_do_not_divide_name_their_flag():
+    tp = TensorParallel.from_group(dist.group.WORLD)
+    for overrides, flag in ((dict(num_attention_heads=3, hidden_size=15), "--num-attention-heads"),
+                            (dict(num_query_groups=1), "--num-query-groups"),
+                            (dict(ffn_hidden_size=25), "--ffn-hidden-size"),
+                            (dict(vocab_size=33), "vocabulary")):
+        try:
+            GPTModel(_config(**overrides), tp)
+        except ValueError as error:
+            assert flag in str(error) and "--tensor-model-parallel-size (2)" in str(error), error
+        else:
+            raise AssertionError(f"{overrides}: no error")

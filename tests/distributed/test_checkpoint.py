@@ -1,6 +1,0 @@
-"""Distributed checkpointing: save/resume, resharding, interop, export (checks in checkpoint_checks.py)."""
-
-from tests.distributed import checkpoint_checks
-from tests.distributed.harness import pytest_suite
-
-results, test_checkpoint = pytest_suite(checkpoint_checks)

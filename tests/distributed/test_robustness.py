@@ -1,6 +1,0 @@
-"""Reliability (issue 11): accumulation, replicated parameters, rank consistency and arguments at 2 and 4 ranks."""
-
-from tests.distributed import robustness_checks
-from tests.distributed.harness import pytest_suite
-
-results, test_robustness = pytest_suite(robustness_checks)
