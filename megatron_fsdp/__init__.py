@@ -19,7 +19,7 @@ from megatron_fsdp.core.grad_scaling import GradScaling
 from megatron_fsdp.core.meta_init import materialize_meta
 from megatron_fsdp.core.microbatch import microbatch
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
-from megatron_fsdp.core.module import FSDPModule
+from megatron_fsdp.core.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from megatron_fsdp.core.options import EngineOptions
 from megatron_fsdp.fully_shard import fully_shard
 from megatron_fsdp.optim.grad_norm import clip_grad_norm_, get_grad_norm
@@ -42,6 +42,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "RaggedShard",
     "ShardingPlan",
+    "UnshardHandle",
     "clip_grad_norm_",
     "comm_stats",
     "export_full_state_dict",
@@ -56,6 +57,7 @@ __all__ = [
     "load_state",
     "materialize_meta",
     "microbatch",
+    "register_fsdp_forward_method",
     "save_checkpoint",
     "save_state",
 ]

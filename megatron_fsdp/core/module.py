@@ -4,17 +4,30 @@
 ``(FSDPModule, original class)``, as FSDP2 does; the module keeps its
 attributes, FQNs and ``state_dict`` keys. All runtime state lives in the
 ``FSDPUnit`` at ``module.fsdp_unit``.
+
+``FSDPModule`` derives from PyTorch's ``torch.distributed.fsdp.FSDPModule``, so
+code that looks for FSDP2 modules (``isinstance(m, FSDPModule)``: torchtitan,
+Lightning, Accelerate, torch's own helpers) finds ours and calls the methods
+below, which keep FSDP2's names and meanings. FSDP2 methods that need FSDP2's
+own runtime state (``set_custom_all_gather``, ``set_post_optim_event``, ...)
+are not overridden: they reach ``_get_fsdp_state``, which raises naming the method.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
+import warnings
 from collections.abc import Iterator
+from typing import Any
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from megatron_fsdp.comm.collectives import CommStats
-from megatron_fsdp.core.grad_scaling import resolve_grad_scaling
+from megatron_fsdp.core.grad_scaling import GradScaling, resolve_grad_scaling
 from megatron_fsdp.core.lookup import UNIT_ATTR, units_of
 from megatron_fsdp.core.meta_init import META_BUFFERS
 from megatron_fsdp.core.options import EngineOptions
@@ -22,8 +35,69 @@ from megatron_fsdp.core.unit import FSDPUnit
 from megatron_fsdp.core.validation import check_bool, check_reshard_after_forward
 
 
-class FSDPModule:
-    """Mixin for modules sharded by :func:`megatron_fsdp.fully_shard`."""
+class UnshardHandle(TorchUnshardHandle):
+    """What ``unshard(async_op=True)`` returns: ``wait()`` installs the gathered parameters.
+
+    Waiting is optional: the module's next forward waits for the gather and uses it
+    without gathering again.
+    """
+
+    def __init__(self, unit: FSDPUnit) -> None:
+        self._unit: FSDPUnit | None = unit
+
+    def wait(self) -> None:
+        """Wait for the all-gather; the module then holds its unsharded parameters."""
+        if self._unit is not None:
+            unit, self._unit = self._unit, None
+            unit.wait_explicit_unshard()
+
+
+def _prefetch_units(modules: Any, where: str) -> list[FSDPUnit]:
+    if isinstance(modules, nn.Module) or not hasattr(modules, "__iter__"):
+        raise TypeError(f"{where}: modules must be a list of fully_shard-ed modules, got {type(modules).__name__}")
+    units = []
+    for module in modules:
+        unit = module.__dict__.get(UNIT_ATTR) if isinstance(module, nn.Module) else None
+        if unit is None:
+            raise ValueError(
+                f"{where}: expects modules sharded by megatron_fsdp.fully_shard, got {type(module).__name__}"
+            )
+        units.append(unit)
+    return units
+
+
+class FSDPModule(TorchFSDPModule):
+    """Mixin for modules sharded by :func:`megatron_fsdp.fully_shard` (an FSDP2 ``FSDPModule`` too)."""
+
+    # In FSDP<Orig>'s MRO the original class follows ours and torch's:
+    # [FSDP<Orig>, FSDPModule, torch FSDPModule, Orig, ...] (read by torch 2.13's __new__).
+    _orig_cls_mro_index: int = 3
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> nn.Module:
+        """Constructing the FSDP subclass (a container slicing itself) builds the original class, as FSDP2 does.
+
+        Written here rather than inherited: older torch versions' ``__new__`` take the
+        original class at a fixed MRO index that is torch's own ``FSDPModule`` for us.
+        """
+        original = next(c for c in cls.__mro__ if not issubclass(c, TorchFSDPModule))
+        module = original.__new__(original, *args, **kwargs)
+        module.__init__(*args, **kwargs)
+        return module
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        """Refused, as FSDP2 does: a copy would share this module's runtime (its unit, hooks and shards)."""
+        raise TypeError(
+            f"copy.deepcopy of a fully_shard-ed {type(self).__bases__[-1].__name__} is not supported (as with FSDP2): "
+            "copy the model before fully_shard, or move its values with state dicts"
+        )
+
+    def _get_fsdp_state(self):  # noqa: ANN202 - torch's private hook
+        """FSDP2's runtime state, which these modules do not have: name the FSDP2 method that needed it."""
+        caller = sys._getframe(1).f_code.co_name
+        raise NotImplementedError(
+            f"{type(self).__bases__[-1].__name__}.{caller}(): this FSDP2 method relies on torch's own fully_shard "
+            "runtime, which megatron_fsdp modules do not use; see docs/fsdp2.md for the FSDP2 methods supported"
+        )
 
     @property
     def fsdp_unit(self) -> FSDPUnit:
@@ -61,7 +135,8 @@ class FSDPModule:
                 return group.as_dtensor(index, fn(tensor.to_local()))
             return fn(tensor)
 
-        result = super()._apply(on_local_pieces, recurse)  # type: ignore[misc]
+        # past torch's FSDPModule._apply (FSDP2's own resharding) to the original class's
+        result = super(TorchFSDPModule, self)._apply(on_local_pieces, recurse)  # type: ignore[misc]
         # Buffers built on meta were replaced too (to_empty): whoever called this initialises
         # them (reset_parameters after to_empty, FSDP2's idiom), as ``applied`` says for the
         # parameters; materialize_meta must not re-initialise them over the caller's values.
@@ -84,9 +159,24 @@ class FSDPModule:
         """
         return self.fsdp_unit.comm.stats
 
-    def unshard(self) -> None:
-        """All-gather this unit's parameters and install the unsharded views."""
-        self.fsdp_unit.unshard()
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's parameters and install the unsharded views (not recursive).
+
+        ``async_op=True`` returns an :class:`UnshardHandle` at once, so the gather
+        overlaps the caller's work; ``wait()`` installs the parameters, and the next
+        forward uses them without gathering again (it waits itself if nobody did).
+        Like any collective, every data-parallel rank calls it for the same modules in
+        the same order. Inside the root's forward or backward, the gather is issued in
+        the schedule's agreed order (docs/design.md section 5a).
+        """
+        async_op = check_bool("async_op", async_op, where="unshard")
+        unit = self.fsdp_unit
+        unit.start_explicit_unshard()
+        handle = UnshardHandle(unit)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def reshard(self) -> None:
         """Free this unit's unsharded parameters; modules hold the sharded ones again.
@@ -106,6 +196,93 @@ class FSDPModule:
         flag = check_bool("requires_gradient_sync", requires_gradient_sync, where="set_requires_gradient_sync")
         for unit in self._fsdp_units(recurse):
             unit.requires_gradient_sync = flag
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: all-reduce gradients across the replicate (outer) dimension (True) or defer it (False).
+
+        With False each backward still reduce-scatters inside the shard dimension,
+        and the partial results are summed here; the first backward with True adds
+        them in and all-reduces once, so ``.grad`` is then exactly what syncing every
+        backward would give. An optimizer step while partials are held raises.
+        """
+        flag = check_bool("requires_all_reduce", requires_all_reduce, where="set_requires_all_reduce")
+        for unit in self._fsdp_units(recurse):
+            for group in unit.groups:
+                if group.outer is not None:
+                    raise ValueError(
+                        "set_requires_all_reduce: the outer dimension of this model shards the optimizer "
+                        "(outer_sharding_strategy='optim'), so its gradients are reduce-scattered, not all-reduced; "
+                        "use set_requires_gradient_sync(False) to defer both levels"
+                    )
+            for group in unit.groups:
+                group.requires_all_reduce = flag
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last one before an optimizer step (FSDP2's microbatching hint).
+
+        With False the end of backward does not prepare for an optimizer step:
+        gathered weights and low-precision compute copies are kept for the next
+        micro-batch (ZeRO-1/2, and ZeRO-3 units with ``set_reshard_after_backward(False)``).
+        Gradients are still reduced when gradient sync is on. It applies to the
+        whole root, as in FSDP2; set it back to True before the step's last backward.
+        """
+        flag = check_bool("is_last_backward", is_last_backward, where="set_is_last_backward")
+        unit = self.fsdp_unit
+        root = unit.root_state.root if unit.root_state is not None else unit
+        root.is_last_backward = flag
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Free (ZeRO-3) weights after this unit's backward (True), or keep them for the next forward.
+
+        False trades memory for communication during gradient accumulation: the next
+        forward uses the kept weights without gathering them. Weights are kept only
+        where every rank can keep them (agreed at the end of backward), and never past
+        a backward after which an optimizer step may follow (gradient sync on and
+        ``set_is_last_backward(True)``): the step would make them stale.
+        """
+        flag = check_bool("reshard_after_backward", reshard_after_backward, where="set_reshard_after_backward")
+        for unit in self._fsdp_units(recurse):
+            unit.reshard_after_backward = flag
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' weights early, when this module's forward starts.
+
+        As in FSDP2 this replaces the default for this module (``set_prefetch_depth``):
+        the gathers issued are those of the agreed sequence up to the furthest listed
+        module, in that order, so lists may differ across ranks without mispairing
+        collectives. ``[]`` prefetches nothing; ``None`` restores the depth.
+        """
+        self.fsdp_unit.forward_prefetch = (
+            None if modules is None else _prefetch_units(modules, "set_modules_to_forward_prefetch"))
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' weights early, when this module's backward starts (see the forward one)."""
+        self.fsdp_unit.backward_prefetch = (
+            None if modules is None else _prefetch_units(modules, "set_modules_to_backward_prefetch"))
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the data-parallel size (not recursive, as FSDP2).
+
+        The same feature as ``set_gradient_scaling(1 / factor)``: local gradients are
+        multiplied by ``1 / factor`` and then summed.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
+        self.fsdp_unit.grad_scaling = GradScaling("factor", 1.0 / float(factor))
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated FSDP2 name of :meth:`set_gradient_divide_factor`."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor",
+                      FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for FSDP2 compatibility: megatron_fsdp's gradient collectives are always SUM.
+
+        Gradients are scaled before the collective (docs/design.md section 6), never
+        reduced with ``AVG`` or a pre-multiplied sum, whatever ``enable`` says.
+        """
+        check_bool("enable", enable, where="set_force_sum_reduction_for_comms")
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Free (ZeRO-3) weights after forward, or keep them for backward."""
@@ -140,6 +317,36 @@ class FSDPModule:
         finally:
             for unit, value in previous:
                 unit.requires_gradient_sync = value
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module``'s pre- and post-forward hooks (gather, reshard) around ``module.<method_name>``.
+
+    FSDP2's function of the same name: for methods other than ``forward`` that use
+    the module's parameters (``generate``, ``forward_features``). A module not sharded
+    by ``fully_shard`` is left alone, so code can call it either way. A forward run
+    inside the method (``generate`` calling ``self(...)``) is part of it: the weights
+    stay gathered until the method returns.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not callable(getattr(module, method_name, None)):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__bases__[-1].__name__} has no method "
+                         f"{method_name!r}")
+    original = getattr(module, method_name)
+    unit = module.fsdp_unit
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = unit.pre_forward(module, args, kwargs)
+        output = None
+        try:
+            output = original(*args, **kwargs)
+        finally:
+            output = unit.post_forward(module, args, output)
+        return output
+
+    setattr(module, method_name, wrapped)
 
 
 _SUBCLASSES: dict[type, type] = {}

@@ -107,7 +107,7 @@ class PendingReduce:
             return False
         work.wait()
         self.result = reduced
-        if not self.defer_install:
+        if not self.defer_install and reduced is not None:  # None: held back (set_requires_all_reduce(False))
             self.group.install_grads(reduced)
         return True
 
@@ -227,6 +227,10 @@ class ParamGroup:
         # Reductions run on a copy of process_group (core/schedule.py), so that they never
         # interleave with all-gathers differently on different ranks.
         self.reduce_process_group: dist.ProcessGroup = self.process_group
+        # HSDP, set_requires_all_reduce(False): shard-reduced gradients summed here instead of
+        # all-reduced across dp_outer; the next all-reduce adds them in.
+        self.requires_all_reduce = True
+        self.partial_outer: torch.Tensor | None = None
 
     # -- construction -------------------------------------------------------
     def _local_rows(self, source: torch.Tensor, index: int) -> torch.Tensor:
@@ -590,6 +594,7 @@ class ParamGroup:
         """Drop gradients accumulated but not reduced yet (``zero_grad_buffer``)."""
         self.grad_buffer = None
         self.holds_grads = False
+        self.partial_outer = None
         self._drop_main_grads()
         self.end_backward()
 
@@ -603,7 +608,8 @@ class ParamGroup:
 
     @property
     def grads_pending(self) -> bool:
-        return self.grad_buffer is not None and not self.reduced_this_backward
+        """Gradients are accumulated here but not fully reduced (nor installed as ``.grad``)."""
+        return (self.grad_buffer is not None and not self.reduced_this_backward) or self.partial_outer is not None
 
     def reduce_grads(self, sync: bool, scaling: GradScaling, *, zeros_if_none: bool = False) -> PendingReduce | None:
         """Start reducing the accumulated gradients (unless ``sync`` is off).
@@ -651,6 +657,12 @@ class ParamGroup:
                 piece,
             )
         if self.dp.has_outer and self.dp.outer_size > 1:
+            if self.partial_outer is not None:
+                reduced_shard = reduced_shard.add_(self.partial_outer)
+                self.partial_outer = None
+            if not self.requires_all_reduce:
+                self.partial_outer = reduced_shard
+                return Pending(), None
             return all_reduce(reduced_shard, self.dp.outer_group, comm=self.comm), reduced_shard
         return Pending(), reduced_shard
 

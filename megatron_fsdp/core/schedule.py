@@ -104,13 +104,26 @@ class RoundResult:
     extra: list[bool]  # per parameter group: needs a reduction after the ordered ones (backward)
     order: list[int]  # per unit: rank 0's first-use position + 1 (0: not used)
     sequence: list[int]  # rank 0's gathers (unit indices) this phase
+    kept: list[bool]  # per unit: every rank keeps its gathered weights past this backward
 
 
 class GatherCursor:
-    """One phase's agreed all-gather sequence and how far this rank has issued and consumed it."""
+    """One phase's agreed all-gather sequence and how far this rank has issued and consumed it.
 
-    def __init__(self, sequence: list[int]) -> None:
-        self.sequence = sequence
+    ``held``: units every rank holds gathered as the phase starts (``FSDPUnit.weights_held``,
+    the same set everywhere): the first entry of each is dropped from the sequence, and
+    their first use is still recorded, so rank 0's sequence for next time names them.
+    """
+
+    def __init__(self, sequence: list[int], held: set[int] | None = None) -> None:
+        self.held = set(held or ())
+        dropped: set[int] = set()
+        self.sequence = []
+        for index in sequence:
+            if index in self.held and index not in dropped:
+                dropped.add(index)
+                continue
+            self.sequence.append(index)
         self.next = 0  # entries before it are consumed or passed
         self.issued = 0  # entries before it have their all-gather issued (prefetch runs ahead)
         self.own: set[int] = set()  # issued entries that gather into their unit's own buffer
@@ -170,11 +183,20 @@ class CollectiveSchedule:
         self.phase = Phase.FORWARD
         self._gather_log = []
         self._first_use = {}
-        self.cursor = GatherCursor(self._default_sequence(Phase.FORWARD))
+        self.cursor = GatherCursor(self._default_sequence(Phase.FORWARD), self._take_held())
         for unit in self.units:  # ZeRO-1/2: every unit's weights, once per step, in unit order
             if gathers_once_per_step(unit):
                 for group in unit.groups:
                     group.start_unshard()
+
+    def _take_held(self) -> set[int]:
+        """The units whose weights every rank holds as a phase starts; their flags are consumed."""
+        held = set()
+        for i, unit in enumerate(self.units):
+            if unit.weights_held and is_zero3(unit):
+                held.add(i)
+            unit.weights_held = False
+        return held
 
     def record_use(self, unit: FSDPUnit) -> None:
         index = self.index[id(unit)]
@@ -201,7 +223,7 @@ class CollectiveSchedule:
 
     def begin_backward(self) -> None:
         self.phase = Phase.BACKWARD
-        self.cursor = GatherCursor(self._default_sequence(Phase.BACKWARD))
+        self.cursor = GatherCursor(self._default_sequence(Phase.BACKWARD), self._take_held())
         self._issued = set()
         self._gather_log = []
         self._reduce_log = []
@@ -212,12 +234,15 @@ class CollectiveSchedule:
         self._reduce_next = 0
         self.advance_reductions()
 
-    def end_backward(self) -> list[bool]:
+    def end_backward(self) -> tuple[list[bool], list[bool]]:
         """Close the backward: issue the reductions left, in the agreed order (not waited for).
 
         Returns, per parameter group, whether any rank had gradients for it: a
         reduction of zeros only (``PendingReduce.defer_install``) installs nothing
-        where no rank had any, so those gradients stay ``None``.
+        where no rank had any, so those gradients stay ``None``. And per unit,
+        whether every rank keeps its gathered weights for the next forward
+        (``set_reshard_after_backward(False)``): kept only where all ranks can, so
+        that the next forward's gathers skip it everywhere alike.
         """
         received = [g.received_grads or g.holds_grads for g in self.groups]
         extra = [False] * len(self.groups)
@@ -228,7 +253,7 @@ class CollectiveSchedule:
                 continue
             # grads arriving after this group's turn, or for a group outside the agreed order
             extra[i] = id(group) not in ordered or i in self._issued
-        result = self._close(received, extra)
+        result = self._close(received, extra, keep=[u.keeps_weights_after_backward() for u in self.units])
         self.sequences[Phase.BACKWARD] = result.sequence
         # The rest of the agreed order (zeros where nothing arrived), then the extras.
         for group in self._reduce_order[self._reduce_next:]:
@@ -240,7 +265,7 @@ class CollectiveSchedule:
         self._last_reduce_digest = _digest(self._reduce_log)
         self.phase = None
         self.cursor = None
-        return result.flags
+        return result.flags, result.kept
 
     # -- weights ------------------------------------------------------------
     def need_weights(self, unit: FSDPUnit) -> None:
@@ -272,12 +297,19 @@ class CollectiveSchedule:
 
     def _need_weights(self, unit: FSDPUnit) -> None:
         cursor = self.cursor
-        if cursor is None or not is_zero3(unit) or all(
+        index = self.index[id(unit)]
+        held = cursor is not None and index in cursor.held and unit.holds_gathered_weights
+        if cursor is None or not is_zero3(unit) or held or all(
             g.state.value == "unsharded" for g in unit.groups if g.gathers
         ):
+            if held:  # gathered before the phase on every rank: no entry of its own this time
+                cursor.held.discard(index)
+                cursor.recorded.append(index)
             unit.unshard()
+            if cursor is not None and not cursor.flushed:
+                self._prefetch_for(unit, explicit_only=True)
             return
-        index = self.index[id(unit)]
+        cursor.held.discard(index)
         cursor.recorded.append(index)
         if not cursor.flushed:
             entry = cursor.find(index)
@@ -286,7 +318,7 @@ class CollectiveSchedule:
                     self._pass(i)
                 self._issue(entry, own=True)
                 cursor.next = entry + 1
-                self._prefetch(unit.prefetch_depth)
+                self._prefetch_for(unit)
                 unit.unshard()
                 self._drop_scratch()
                 return
@@ -329,9 +361,48 @@ class CollectiveSchedule:
         elif entry in cursor.own:
             self.units[cursor.sequence[entry]].reshard()
 
-    def _prefetch(self, depth: int) -> None:
+    def _prefetch_for(self, unit: FSDPUnit, *, explicit_only: bool = False) -> None:
+        """Start the all-gathers ``unit`` prefetches: up to its explicit targets, else ``prefetch_depth`` entries.
+
+        Explicit lists (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``)
+        choose how far ahead to gather: up to the furthest target's next entry in the
+        agreed sequence. Entries are still issued in sequence order, never skipped,
+        so every rank issues the same all-gathers in the same order whatever its lists
+        (a target with no entry left is not prefetched; its use gathers it as usual).
+        """
         cursor = self.cursor
-        while cursor.issued < min(cursor.next + depth, len(cursor.sequence)):
+        targets = unit.forward_prefetch if self.phase is Phase.FORWARD else unit.backward_prefetch
+        if targets is None:
+            if explicit_only:
+                return
+            self._prefetch(cursor.next + unit.prefetch_depth)
+            return
+        furthest = cursor.next - 1
+        for target in targets:
+            target_index = self.index.get(id(target))
+            if target_index is None:
+                raise ValueError(
+                    f"the prefetch list of {self.describe(unit)} names a module that is not under this root "
+                    f"({type(target.module).__name__}); list only fully_shard-ed modules of the same model"
+                )
+            entry = cursor.find(target_index)
+            if entry is not None:
+                furthest = max(furthest, entry)
+        self._prefetch(furthest + 1)
+
+    def prefetch_unit(self, unit: FSDPUnit) -> None:
+        """An explicit ``unshard()`` inside a phase: issue the agreed sequence up to ``unit``'s next entry."""
+        cursor = self.cursor
+        if cursor is None or cursor.flushed or not is_zero3(unit) or unit.holds_gathered_weights:
+            return
+        entry = cursor.find(self.index[id(unit)])
+        if entry is not None:
+            self._prefetch(entry + 1)
+
+    def _prefetch(self, limit: int) -> None:
+        """Issue the sequence's entries before ``limit`` (in order; stops at a unit still busy)."""
+        cursor = self.cursor
+        while cursor.issued < min(limit, len(cursor.sequence)):
             if not self._idle(self.units[cursor.sequence[cursor.issued]]):
                 return  # issued when consumed or passed, in order
             self._issue(cursor.issued, own=True)
@@ -365,11 +436,11 @@ class CollectiveSchedule:
                 self.cursor.scratch.extend(_participate(unit))
         self._drop_scratch()
 
-    def _close(self, flags: list[bool], extra: list[bool]) -> RoundResult:
+    def _close(self, flags: list[bool], extra: list[bool], keep: list[bool] | None = None) -> RoundResult:
         if self.cursor is not None:
             self._flush()
         while True:
-            result = self._round(active=False, flags=flags, extra=extra)
+            result = self._round(active=False, flags=flags, extra=extra, keep=keep)
             if not result.active:
                 break
             self._gather_requested(result.requests, own=None)
@@ -379,10 +450,13 @@ class CollectiveSchedule:
 
     # -- control rounds -----------------------------------------------------
     def _round(self, *, active: bool, request: int | None = None, flags: list[bool] | None = None,
-               extra: list[bool] | None = None) -> RoundResult:
+               extra: list[bool] | None = None, keep: list[bool] | None = None) -> RoundResult:
         n_units, n_groups = len(self.units), len(self.groups)
         cap = 4 * n_units + 16
-        payload = torch.zeros(1 + 2 * n_units + 2 * n_groups + 1 + cap + 4, dtype=torch.int64)
+        payload = torch.zeros(1 + 2 * n_units + 2 * n_groups + 1 + cap + n_units + 4, dtype=torch.int64)
+        drop = len(payload) - 4 - n_units  # per unit: 1 where this rank cannot keep its weights (MAX: any rank)
+        if keep is not None:
+            payload[drop:drop + n_units] = torch.tensor([not k for k in keep], dtype=torch.int64)
         payload[0] = int(active)
         if request is not None:
             payload[1 + request] = 1
@@ -420,6 +494,7 @@ class CollectiveSchedule:
             extra=[bool(v) for v in values[1 + n_units + n_groups:offset]],
             order=values[offset:offset + n_units],
             sequence=[v - 1 for v in values[offset + n_units + 1:offset + n_units + 1 + length]],
+            kept=[keep is not None and not v for v in values[drop:drop + n_units]],
         )
 
     def _check_in_step(self, gathers_max: int, gathers_neg_min: int, reduces_max: int, reduces_neg_min: int) -> None:

@@ -133,15 +133,15 @@ class RootState:
         """Issue the reductions left (in the agreed order), wait, install, reshard, reset."""
         self._callback_queued = False
         self._forward_without_backward = False
-        had_grads = self.schedule.end_backward()
+        had_grads, kept = self.schedule.end_backward()
         self.drain()
         for reduce in self._zeros_only:
             # zeros from here; install only if another rank had gradients (else None, as DDP)
-            if had_grads[self.schedule.group_index[id(reduce.group)]]:
+            if had_grads[self.schedule.group_index[id(reduce.group)]] and reduce.result is not None:
                 reduce.group.install_grads(reduce.result)
         self._zeros_only = []
         step_may_follow = self.root.optimizer_step_may_follow
-        for unit in self.units:
-            unit.finish_backward()
+        for unit, keep in zip(self.units, kept):
+            unit.finish_backward(keep_weights=keep)
         if step_may_follow:
             self.root.pool.end_of_backward()

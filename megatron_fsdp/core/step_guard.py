@@ -29,7 +29,6 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from megatron_fsdp.core.module import FSDPModule
 from megatron_fsdp.core.param_group import GroupState, ParamGroup
 from megatron_fsdp.core.unit import TrainingState
 
@@ -51,7 +50,7 @@ def watch(unit: FSDPUnit) -> None:
 def _module_name(unit: FSDPUnit) -> str:
     """``'blocks.0' (Block)`` relative to the unit's root, or the class name before the first forward."""
     module = unit.module
-    cls = next(c for c in type(module).__mro__[1:] if not issubclass(c, FSDPModule)).__name__
+    cls = type(module).__bases__[-1].__name__  # the model's own class, not its FSDP subclass
     root = unit.root_state.root.module if unit.root_state is not None else None
     if root is not None:
         for name, candidate in root.named_modules():
@@ -87,10 +86,11 @@ def _scan() -> tuple[list[FSDPUnit], list[FSDPUnit]]:
     for unit in _UNITS:
         gathered = False
         for group in unit.groups:
-            if group.grad_buffer is not None and group.grads_pending:
+            if group.grads_pending:
                 pending.append(unit)
                 break
-            gathered = gathered or group.state is unsharded
+            # gathered, or an explicit unshard(async_op=True) still to be installed
+            gathered = gathered or group.state is unsharded or group._gather is not None
         else:
             if gathered and unit.state is idle:
                 kept.append(unit)
@@ -130,6 +130,9 @@ def check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
         "gradient sync is still off (set_requires_gradient_sync(True) before the last micro-batch's backward); "
         if sync_off else ""
     )
+    if any(g.partial_outer is not None for u in units for g in u.groups):
+        hint += ("their all-reduce across replicas is still off "
+                 "(set_requires_all_reduce(True) before the last micro-batch's backward); ")
     raise RuntimeError(
         f"{type(optimizer).__name__}.step(): {names} still hold gradients accumulated but not reduced across "
         f"data-parallel ranks, so their .grad is missing or partial; {hint}call microbatch(..., is_last=True) on "

@@ -104,6 +104,22 @@ class FSDPUnit:
         self.reshard_after_forward = reshard_after_forward
         self.prefetch_depth = self.options.prefetch_depth  # units whose all-gather starts while this one computes
         self.requires_gradient_sync = True
+        # FSDP2's controls (core/module.py): the root's ``is_last_backward`` decides whether an
+        # optimizer step may follow this backward; ``reshard_after_backward=False`` keeps ZeRO-3
+        # weights gathered into the next forward (agreed across ranks, core/schedule.py).
+        self.is_last_backward = True
+        self.reshard_after_backward = True
+        # Explicit prefetch lists (set_modules_to_forward/backward_prefetch): units whose
+        # all-gathers this unit starts, in the agreed order; None: ``prefetch_depth`` decides.
+        self.forward_prefetch: list[FSDPUnit] | None = None
+        self.backward_prefetch: list[FSDPUnit] | None = None
+        # Weights every rank holds gathered when the next phase starts (an explicit unshard
+        # between steps, or kept after backward by agreement): that phase's gather sequence
+        # skips this unit's first entry on every rank (core/schedule.py).
+        self.weights_held = False
+        # Modules of this unit inside their forward, innermost last: a registered forward
+        # method (``generate``) calling ``self(...)`` nests the same module.
+        self._in_forward: list[int] = []
         self.microbatch: MicrobatchFlags | None = None
         self.root_state: RootState | None = None
         self.state = TrainingState.IDLE
@@ -175,16 +191,66 @@ class FSDPUnit:
 
     @property
     def optimizer_step_may_follow(self) -> bool:
-        """After this backward the main weights may change (not inside accumulation)."""
+        """After this backward the main weights may change (not inside accumulation).
+
+        Not when gradients are not synced, inside a non-last ``microbatch``, or after
+        the root's ``set_is_last_backward(False)`` (FSDP2's signal that more backwards
+        of the same step follow).
+        """
         if not self.requires_gradient_sync:
             return False
+        root = self.root_state.root if self.root_state is not None else self
+        if not root.is_last_backward:
+            return False
         return self.microbatch is None or self.microbatch.is_last
+
+    @property
+    def gathers_per_use(self) -> bool:
+        """ZeRO-3: the weights are gathered at each use, not once per step."""
+        return self.plan.params and any(g.gathers for g in self.groups)
+
+    @property
+    def holds_gathered_weights(self) -> bool:
+        """Every gathering group is gathered or has its all-gather issued (not freed)."""
+        return all(g.state.value == "unsharded" or g._gather is not None for g in self.groups if g.gathers)
+
+    def keeps_weights_after_backward(self) -> bool:
+        """This rank would keep the ZeRO-3 weights gathered past this backward (``set_reshard_after_backward``)."""
+        return (self.gathers_per_use and not self.reshard_after_backward and not self.optimizer_step_may_follow
+                and all(g.state.value == "unsharded" for g in self.groups if g.gathers))
 
     # -- explicit control ---------------------------------------------------
     def prefetch(self) -> None:
         """Start this unit's all-gathers early, unless it is busy or already gathered."""
         if self.state is TrainingState.IDLE:
             self._start_unshard()
+
+    def start_explicit_unshard(self) -> None:
+        """The user's ``unshard()``: issue this unit's all-gathers without waiting.
+
+        Inside a forward or backward of its root the gathers go through the schedule
+        (issued in the agreed order, core/schedule.py). Between steps they are issued
+        directly: like any collective, every rank must call ``unshard`` for the same
+        modules in the same order (as with FSDP2), and the next phase then skips this
+        unit's gather on every rank (``weights_held``).
+        """
+        schedule = self.root_state.schedule if self.root_state is not None else None
+        if schedule is not None and schedule.phase is not None:
+            schedule.prefetch_unit(self)
+            return
+        self._start_unshard()
+        if self.gathers_per_use:
+            self.weights_held = True
+
+    def wait_explicit_unshard(self) -> None:
+        """Wait for ``start_explicit_unshard``'s gathers and install the unsharded parameters."""
+        schedule = self.root_state.schedule if self.root_state is not None else None
+        if schedule is not None and schedule.phase is not None:
+            schedule.need_weights(self)
+            return
+        with trace_range(UNSHARD_WAIT, self.device):
+            for group in self.groups:
+                group.finish_unshard()
 
     def _start_unshard(self) -> None:
         with trace_range(UNSHARD_ISSUE, self.device):
@@ -198,6 +264,7 @@ class FSDPUnit:
                 group.finish_unshard()
 
     def reshard(self) -> None:
+        self.weights_held = False
         with trace_range(RESHARD, self.device):
             for group in self.groups:
                 group.reshard()
@@ -254,12 +321,24 @@ class FSDPUnit:
             self._to_run = {id(m) for m in self.modules}  # grouped: a pass over the modules starts
         for group in self.groups:
             group.check_unchanged()
+        if self.state is TrainingState.FORWARD and id(module) in self._in_forward:
+            # A forward inside this module's own forward (a registered forward method such
+            # as ``generate`` calling ``self(...)``): the weights stay gathered until the
+            # outermost one ends; it opens no new phase. (The modules of a grouped unit
+            # running one after the other are not nested: each has ended before the next.)
+            self._in_forward.append(id(module))
+            return self._enter_forward(args, kwargs)
         if self.state is not TrainingState.BACKWARD:
             self.state = TrainingState.FORWARD
+            self._in_forward.append(id(module))
         if self.is_root and self.state is not TrainingState.BACKWARD:
             self.root_state.begin_forward()
         if self.state is TrainingState.FORWARD:  # not a recomputation inside backward
             self.root_state.record_forward(self)
+        return self._enter_forward(args, kwargs)
+
+    def _enter_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.state is TrainingState.FORWARD:
             self.forward_grad_calls += torch.is_grad_enabled()
         self.root_state.need_weights(self)
         args, kwargs = self._cast_inputs(args, kwargs)
@@ -294,6 +373,10 @@ class FSDPUnit:
             # Recomputation inside backward (activation checkpointing): the
             # unit's backward still needs its weights.
             return self._cast_outputs(output)
+        if self._in_forward:
+            self._in_forward.pop()
+        if id(module) in self._in_forward:  # a nested forward of this module ended; the outer one goes on
+            return self._arm_pre_backward(output)
         if len(self._modules) > 1:
             # Grouped: the pass ends with the last of its modules (FSDP2's semantics);
             # a module run again within the pass only casts its output.
@@ -313,11 +396,15 @@ class FSDPUnit:
 
     def _end_forward_pass(self, output: Any) -> Any:
         """Reshard (ZeRO-3, non-root), arm the pre-backward hook on ``output``, cast it."""
+        self._in_forward.clear()
         if self.plan.params and self.reshard_after_forward and not self.is_root:
             self.reshard()
         self.state = TrainingState.IDLE
         if self.is_root:
             self.root_state.end_forward()
+        return self._arm_pre_backward(output)
+
+    def _arm_pre_backward(self, output: Any) -> Any:
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
@@ -355,19 +442,25 @@ class FSDPUnit:
 
     def post_backward(self) -> None:
         """Autograd computed the gradients of the unit's inputs."""
-        if not self.plan.params:
+        if not self.plan.params or not self.reshard_after_backward:
             return
         if self._grads_complete:
             self.reshard()
         else:  # its weights' gradients are still being computed
             self._reshard_when_complete = True
 
-    def finish_backward(self) -> None:
-        """End of backward (called by the root): release weights, reset state."""
+    def finish_backward(self, keep_weights: bool = False) -> None:
+        """End of backward (called by the root): release weights, reset state.
+
+        ``keep_weights``: every rank keeps this unit's gathered ZeRO-3 weights for the
+        next forward (``set_reshard_after_backward(False)``, agreed by the schedule).
+        """
         if self.optimizer_step_may_follow:
             # Gathered weights and low-precision compute copies go stale at the
             # optimizer step: release them; the next forward refreshes them.
             self.mark_weights_stale()
+        elif keep_weights:
+            self.weights_held = True
         elif self.plan.params:
             self.reshard()  # ZeRO-3 releases weights between uses even mid-accumulation
         for group in self.groups:
