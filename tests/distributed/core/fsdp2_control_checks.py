@@ -510,7 +510,7 @@ def torch_fsdp_module_isinstance_and_its_helpers() -> None:
     for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(p.full_tensor(), q.full_tensor()), f"full model state dict: {name}"
     # Sharded model and optimizer state. (A *full* optimizer state dict is laid out again by
-    # torch with even Shard(0) chunks, not our shards: docs/fsdp2_controls_notes.md.)
+    # torch with even Shard(0) chunks, not our shards: docs/fsdp2.md.)
     for options in (StateDictOptions(),):
         msd = get_model_state_dict(model, options=options)
         osd = get_optimizer_state_dict(model, opt, options=options)
