@@ -43,7 +43,7 @@ from megatron_fsdp.core.post_forward_shard import PostForwardMesh
 from megatron_fsdp.memory.allocator import BufferPool
 from megatron_fsdp.memory.buffer import FlatBuffer
 from megatron_fsdp.memory.grad_buffers import GradSpares
-from megatron_fsdp.sharding.layout import FlatLayout, build_flat_layout
+from megatron_fsdp.sharding.layout import FlatLayout, alignment_numel, build_flat_layout
 from megatron_fsdp.sharding.mesh import DataParallelMesh
 from megatron_fsdp.sharding.outer_shard import gather_compute_shard, outer_shard_geometry
 from megatron_fsdp.sharding.ragged_shard import RaggedShard, full_tensor, shard_sizes
@@ -113,6 +113,13 @@ class PendingReduce:
         return True
 
 
+def flat_alignment(dtype: torch.dtype, policy: MixedPrecisionPolicy | None) -> int:
+    """The layout's ``align`` for parameters of ``dtype``: 16 bytes in the narrowest dtype their group
+    holds a flat buffer in (main, compute, gradient, communication; ``layout.alignment_numel``)."""
+    policy = policy or MixedPrecisionPolicy(main_params_dtype=None)
+    return alignment_numel(d.itemsize for d in policy.dtypes_for(dtype))
+
+
 def copy_param_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
     """Carry attributes training loops rely on (``sequence_parallel``, ...) to ``dst``."""
     for name, value in vars(src).items():
@@ -161,7 +168,8 @@ class ParamGroup:
         first = refs[0].param
         policy = policy or MixedPrecisionPolicy(main_params_dtype=None)
         self.compute_dtype, self.dtype, self.grad_dtype, self.comm_dtype = policy.dtypes_for(first.dtype)
-        self.layout: FlatLayout = build_flat_layout([tuple(r.param.shape) for r in refs], self.shard_world)
+        self.layout: FlatLayout = build_flat_layout(
+            [tuple(r.param.shape) for r in refs], self.shard_world, flat_alignment(first.dtype, policy))
         self._on_grads_ready = on_grads_ready
 
         if offload is not None:
