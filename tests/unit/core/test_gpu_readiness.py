@@ -1,5 +1,6 @@
 """Issue 17's smaller GPU fixes: the device a unit lives on, the grad norm's device under NCCL, the pool's
-CUDA frees without a host stall. The CPU parts run here; the CUDA parts skip cleanly without a GPU."""
+CUDA frees without a host stall; the fused-wgrad main_grad path on one GPU. The CPU parts run here; the CUDA
+parts skip cleanly without a GPU."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from megatron_fsdp.core.shard_module import mesh_device
 from megatron_fsdp.memory.allocator import BufferPool
+from tests.distributed.core.te_wgrad_checks import STRATEGIES, assert_same, build, shard, train
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(),
                                 reason="needs a CUDA GPU and NCCL")
@@ -79,3 +81,14 @@ def test_pool_trim_does_not_stall_the_host():
     assert stream_busy and took < 0.1, f"trim waited {took:.3f} s for the GPU"
     again = torch.zeros(1 << 20, device="cuda")  # the freed memory is reused only after the queued work
     assert again.sum().item() == 0.0
+
+
+@needs_cuda
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_fused_wgrad_on_one_gpu_trains_like_plain_autograd(nccl_group, strategy):
+    """te_wgrad_checks' tied model at world size 1 on CUDA: main_grad taken in forward, two backwards per step."""
+    with torch.device("cuda"):
+        plain = train(shard(build(fused=False), strategy), steps=3, backwards_per_step=2)
+        fused = train(shard(build(fused=True, read_in_forward=True), strategy), steps=3, backwards_per_step=2)
+    assert all(p.is_cuda for p in fused)
+    assert_same(fused, plain, f"{strategy} on one GPU", rtol=1e-6, atol=1e-7)  # cuBLAS may pick other kernels
