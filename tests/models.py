@@ -57,8 +57,9 @@ def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def global_batch(step: int, world_size: int, per_rank: int = 2, seq: int = 9) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, VOCAB, (per_rank * world_size, seq), generator=g)
+    g = torch.Generator().manual_seed(1000 + step)  # a CPU generator: the same tokens on every device
+    tokens = torch.randint(0, VOCAB, (per_rank * world_size, seq), generator=g, device="cpu")
+    return tokens.to(torch.get_default_device())  # the harness's GPU under nccl, else the CPU
 
 
 def local_batch(step: int, rank: int, world_size: int, per_rank: int = 2) -> torch.Tensor:

@@ -264,6 +264,7 @@ def fully_shard_model(
         mesh=mesh, sharding_strategy=plan, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim,
         gradient_scaling="sum" if calculate_per_token_loss else "mean",
         outer_sharding_strategy=_OUTER_STRATEGIES[outer_dp_sharding_strategy], mp_policy=mp_policy,
+        device=device,  # its index too ("cuda:1"), not only the current device
     )
     for sub in _modules_to_shard(module, classes, enable_fine_grained_param_gather):
         shard_module(sub, **shard_kwargs)

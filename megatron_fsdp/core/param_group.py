@@ -43,13 +43,14 @@ from megatron_fsdp.core.post_forward_shard import PostForwardMesh
 from megatron_fsdp.memory.allocator import BufferPool
 from megatron_fsdp.memory.buffer import FlatBuffer
 from megatron_fsdp.memory.grad_buffers import GradSpares
-from megatron_fsdp.sharding.layout import FlatLayout, build_flat_layout
+from megatron_fsdp.sharding.layout import FlatLayout, alignment_numel, build_flat_layout
 from megatron_fsdp.sharding.mesh import DataParallelMesh
 from megatron_fsdp.sharding.outer_shard import gather_compute_shard, outer_shard_geometry
 from megatron_fsdp.sharding.ragged_shard import RaggedShard, full_tensor, shard_sizes
 from megatron_fsdp.sharding.strategy import ShardingPlan
 
-_SKIPPED_ATTRS = {"_is_param", "main_grad", "grad_added_to_main_grad"}
+# Per-object gradient bookkeeping set by the engine on its own parameters: never carried to another one.
+_SKIPPED_ATTRS = {"_is_param", "main_grad", "grad_added_to_main_grad", "get_main_grad", "__fsdp_param__"}
 
 
 @dataclass
@@ -112,6 +113,13 @@ class PendingReduce:
         return True
 
 
+def flat_alignment(dtype: torch.dtype, policy: MixedPrecisionPolicy | None) -> int:
+    """The layout's ``align`` for parameters of ``dtype``: 16 bytes in the narrowest dtype their group
+    holds a flat buffer in (main, compute, gradient, communication; ``layout.alignment_numel``)."""
+    policy = policy or MixedPrecisionPolicy(main_params_dtype=None)
+    return alignment_numel(d.itemsize for d in policy.dtypes_for(dtype))
+
+
 def copy_param_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
     """Carry attributes training loops rely on (``sequence_parallel``, ...) to ``dst``."""
     for name, value in vars(src).items():
@@ -160,7 +168,8 @@ class ParamGroup:
         first = refs[0].param
         policy = policy or MixedPrecisionPolicy(main_params_dtype=None)
         self.compute_dtype, self.dtype, self.grad_dtype, self.comm_dtype = policy.dtypes_for(first.dtype)
-        self.layout: FlatLayout = build_flat_layout([tuple(r.param.shape) for r in refs], self.shard_world)
+        self.layout: FlatLayout = build_flat_layout(
+            [tuple(r.param.shape) for r in refs], self.shard_world, flat_alignment(first.dtype, policy))
         self._on_grads_ready = on_grads_ready
 
         if offload is not None:
@@ -358,6 +367,14 @@ class ParamGroup:
         param = nn.Parameter(source.narrow(0, slot.offset, slot.numel).view(slot.shape),
                              requires_grad=self.refs[index].param.requires_grad)
         copy_param_attributes(self.refs[index].param, param)
+        # What a fused-wgrad kernel (TransformerEngine's, fuse_wgrad_accumulation) looks for,
+        # set as megatron-core's DDP and NVIDIA's Megatron-FSDP set it: with the flag present TE
+        # returns a dummy weight gradient (so the post-accumulate hook still fires) after adding
+        # the real one to main_grad; with __fsdp_param__ it reads main_grad through
+        # get_main_grad() in backward, so the buffer need not exist in forward.
+        param.grad_added_to_main_grad = False
+        param.__fsdp_param__ = True
+        param.get_main_grad = partial(self.main_grad_of, index)
         if param.requires_grad:
             self._hook(index, param)
         return param
@@ -568,6 +585,21 @@ class ParamGroup:
             slot = self.layout.slots[i]
             self.unsharded_params[i].main_grad = self.grad_buffer.narrow(0, slot.offset, slot.numel).view(slot.shape)
 
+    def main_grad_of(self, index: int) -> torch.Tensor:
+        """The ``main_grad`` of parameter ``index``, allocating the gradient buffer if it does not exist yet.
+
+        The unsharded parameters' ``get_main_grad``: TransformerEngine calls it (in backward, or
+        in forward) instead of reading ``main_grad`` when ``__fsdp_param__`` is set. The buffer
+        then lives until this group's reduction, so what forward took is what backward fills.
+        """
+        param = self.unsharded_params[index]
+        if index not in self._grad_indices:
+            raise RuntimeError(f"get_main_grad() of parameter '{self.refs[index].fqn}', which does not require "
+                               "grad: only trainable parameters have a main_grad")
+        if self.grad_buffer is None or getattr(param, "main_grad", None) is None:
+            self.prepare_grad_buffer()
+        return param.main_grad
+
     def _drop_main_grads(self) -> None:
         for i in self._grad_indices:
             self.unsharded_params[i].__dict__.pop("main_grad", None)
@@ -576,12 +608,14 @@ class ParamGroup:
         if self.grad_buffer is None or getattr(param, "main_grad", None) is None:
             self.prepare_grad_buffer()
         if param.grad is not None:
-            if getattr(param, "grad_added_to_main_grad", False):
-                # A fused wgrad kernel already wrote main_grad; .grad is a dummy.
-                param.grad_added_to_main_grad = False
-            else:
+            # megatron-core DDP's rule: a fused wgrad kernel that set grad_added_to_main_grad has
+            # already added its gradient to main_grad and .grad is its dummy, unless the weight
+            # is also used by a plain op (a tied embedding/output weight): then it sets
+            # zero_out_wgrad, the dummy is zeros and .grad holds the other uses' gradient.
+            if not getattr(param, "grad_added_to_main_grad", False) or getattr(param, "zero_out_wgrad", False):
                 param.main_grad.add_(param.grad)
             param.grad = None
+        param.grad_added_to_main_grad = False  # consumed; the kernel sets it again in the next backward
         self._grads_seen.add(index)
         self.received_grads = True
         self.holds_grads = True
@@ -596,7 +630,22 @@ class ParamGroup:
         self.holds_grads = False
         self.partial_outer = None
         self._drop_main_grads()
+        for index, param in enumerate(self.unsharded_params):
+            param.grad_added_to_main_grad = False  # megatron-core's zero_grad_buffer resets it too
+            self._sync_sharded_main_grad(index)
         self.end_backward()
+
+    def _sync_sharded_main_grad(self, index: int) -> None:
+        """Make the sharded parameter's ``main_grad`` its ``.grad`` (absent when it has none).
+
+        Megatron-LM's optimizers and clipping read ``param.main_grad`` of the parameters they
+        are given; here those are the sharded ones, whose gradient is the reduced ``.grad``.
+        """
+        param = self.sharded_params[index]
+        if param.grad is None:
+            param.__dict__.pop("main_grad", None)
+        else:
+            param.main_grad = param.grad
 
     def end_backward(self) -> None:
         """Reset the per-backward gradient bookkeeping; drop the post-forward shard."""
@@ -681,4 +730,5 @@ class ParamGroup:
                 param.grad = self.as_dtensor(i, local)
             else:
                 param.grad.to_local().add_(local)
+            self._sync_sharded_main_grad(i)
 

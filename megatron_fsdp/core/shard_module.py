@@ -21,11 +21,11 @@ from megatron_fsdp.core import step_guard
 from megatron_fsdp.core.grad_scaling import resolve_grad_scaling
 from megatron_fsdp.core.lookup import units_of
 from megatron_fsdp.core.meta_init import META_BUFFERS
-from megatron_fsdp.core.mixed_precision import resolve_mp_policy
+from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy, resolve_mp_policy
 from megatron_fsdp.core.module import FSDPModule, make_fsdp_module
 from megatron_fsdp.core.offload import resolve_offload_policy
 from megatron_fsdp.core.options import EngineOptions, resolve_options
-from megatron_fsdp.core.param_group import ParamGroup, ParamRef
+from megatron_fsdp.core.param_group import ParamGroup, ParamRef, flat_alignment
 from megatron_fsdp.core.post_forward_shard import check_post_forward_size, post_forward_mesh
 from megatron_fsdp.core.unit import FSDPUnit
 from megatron_fsdp.core.validation import (
@@ -59,7 +59,20 @@ def _require_distributed() -> None:
         )
 
 
-def mesh_device(mesh: DeviceMesh) -> torch.device:
+def mesh_device(mesh: DeviceMesh, device: torch.device | str | None = None) -> torch.device:
+    """Where a unit's shards, gathered weights and gradient buffers live.
+
+    ``device`` (the whole-model API's ``device=``) when given, index included (``"cuda:1"``); it must
+    be of the mesh's device type. Otherwise, or without an index, the current device of the mesh's
+    type, as FSDP2 does (``torch.cuda.set_device`` picks it).
+    """
+    if device is not None:
+        device = torch.device(device)
+        if device.type != mesh.device_type:
+            raise ValueError(f"device={str(device)!r} does not match the mesh's device type {mesh.device_type!r}; "
+                             "shards live on the mesh's device")
+        if device.index is not None or device.type != "cuda":
+            return device
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
@@ -155,6 +168,7 @@ def shard_module(
     ignored_params: set[nn.Parameter] | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     dp_mesh_dims: Any = None,
+    device: torch.device | str | None = None,
 ) -> nn.Module | list[nn.Module]:
     """The per-module ``fully_shard``: shard ``module``'s parameters and make it an ``FSDPModule``.
 
@@ -162,6 +176,7 @@ def shard_module(
     arguments select the whole-model form. ``module`` may be a list of modules whose
     parameters form one unit (FSDP2's ``fully_shard([a, b])``): each becomes an
     ``FSDPModule`` of that one unit. Returns ``module`` (the list, for a list).
+    ``device``: where the unit lives (``mesh_device``); the whole-model API passes its ``device=``.
     """
     _require_distributed()
     modules = _root_modules(module)
@@ -209,7 +224,7 @@ def shard_module(
     refs = _collect_params(modules, ignored, prefixes)
     _validate_params(label, refs)
     check_shard_placement(shard_placement_fn, [(ref.fqn, ref.param) for ref in refs if not ref.replicated])
-    device = mesh_device(dp_mesh.mesh)
+    device = mesh_device(dp_mesh.mesh, device)
     groups = [dp_mesh.shard_group] + ([dp_mesh.outer_group] if dp_mesh.has_outer else [])
     signatures = [param_signature(ref.fqn, ref.param, ref.replicated) for ref in refs]
     check_same_across_ranks(label, signatures, groups, device)
@@ -229,7 +244,7 @@ def shard_module(
             post_forward=None if replicated else post_forward,
         )
         for (_, _, replicated), group in by_kind.items()
-        for part in ([group] if replicated else _split_for_padding(group, plan, dp_mesh))
+        for part in ([group] if replicated else _split_for_padding(group, plan, dp_mesh, mp_policy))
     ]
     for group in unit.groups:  # lets optimizer wrappers and grad-norm code find the engine from a parameter
         for param in group.sharded_params:
@@ -247,10 +262,14 @@ def shard_module(
     return module
 
 
-def _split_for_padding(refs: list[ParamRef], plan: ShardingPlan, dp: DataParallelMesh) -> list[list[ParamRef]]:
+def _split_for_padding(
+    refs: list[ParamRef], plan: ShardingPlan, dp: DataParallelMesh, policy: MixedPrecisionPolicy | None
+) -> list[list[ParamRef]]:
     """One kind's parameters split into flat buffers where that saves padding (``layout.partition_for_padding``)."""
     world = (dp.shard_size * (dp.outer_size if dp.outer_optim else 1)) if plan.optim else 1
-    return [[refs[i] for i in part] for part in partition_for_padding([tuple(r.param.shape) for r in refs], world)]
+    align = flat_alignment(refs[0].param.dtype, policy)
+    parts = partition_for_padding([tuple(r.param.shape) for r in refs], world, align)
+    return [[refs[i] for i in part] for part in parts]
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:

@@ -83,10 +83,10 @@ def discard_grad_buffers(units: list[FSDPUnit], *, reduced: bool = True) -> None
     """Drop unreduced gradient buffers and (``reduced``) the sharded ``.grad``s."""
     for unit in units:
         for group in unit.groups:
-            group.discard_unreduced_grads()
             if reduced:
                 for param in group.sharded_params:
                     param.grad = None
+            group.discard_unreduced_grads()  # after: it drops main_grad where .grad is gone
 
 
 def scale_grads(units: list[FSDPUnit], factor: float) -> None:

@@ -41,6 +41,21 @@ class _Slab:
     storage: torch.UntypedStorage  # owns the memory while the slab is free
     nbytes: int
     ready: object | None = None  # CUDA event: the last user's work on the slab is queued before it
+    stream: object | None = None  # CUDA stream it was released on (``ready`` was recorded there)
+
+
+def _free_after_stream(slab: _Slab) -> None:
+    """Let the caching allocator reuse a CUDA slab only once the work queued on its release stream is done.
+
+    Work queued before the release may still use the memory, and the caching allocator does not
+    know of it when the releasing stream is not the one the memory was allocated on. Rather than
+    stalling the host on ``slab.ready`` (``Event.synchronize``), mark the memory as used on that
+    stream (``record_stream``, as PyTorch's own cross-stream frees do): the allocator records an
+    event there when the last reference goes and defers reuse until it has passed.
+    """
+    view = torch.empty(0, dtype=torch.uint8, device=slab.storage.device)
+    view.set_(slab.storage, 0, (slab.nbytes,), (1,))
+    view.record_stream(slab.stream)
 
 
 @dataclass(frozen=True)
@@ -106,8 +121,9 @@ class BufferPool:
         slab = _Slab(holder, holder.nbytes())
         if holder.device.type == "cuda":
             # Work queued so far on this stream may still use the memory.
+            slab.stream = torch.cuda.current_stream(holder.device)
             slab.ready = torch.cuda.Event()
-            slab.ready.record(torch.cuda.current_stream(holder.device))
+            slab.ready.record(slab.stream)
         self.lent_bytes -= slab.nbytes
         self._free.setdefault(holder.device, []).append(slab)
 
@@ -141,8 +157,8 @@ class BufferPool:
         """Free every slab not lent out; return the bytes freed."""
         for slabs in self._free.values():
             for slab in slabs:
-                if slab.ready is not None:
-                    slab.ready.synchronize()  # queued work may still use it; the caching allocator cannot know
+                if slab.stream is not None:
+                    _free_after_stream(slab)
         freed = sum(s.nbytes for slabs in self._free.values() for s in slabs)
         self.slabs -= sum(len(slabs) for slabs in self._free.values())
         self._free.clear()

@@ -86,8 +86,9 @@ def get_grad_norm(
     norm_type = float(norm_type)
     if norm_type <= 0 and not math.isinf(norm_type):
         raise ValueError(f"norm_type={norm_type} is not valid: use a positive number or inf")
-    grads = [p.grad for p in _params(parameters) if p.grad is not None]
-    device = _local(grads[0]).device if grads else _default_device()
+    params = list(_params(parameters))
+    grads = [p.grad for p in params if p.grad is not None]
+    device = _norm_device(grads, params)
     # One partial result per set of process groups: gradients sharded alike are summed together.
     partials: dict[tuple[int, ...], tuple[tuple[dist.ProcessGroup, ...], list[torch.Tensor]]] = {}
     for grad in grads:
@@ -110,11 +111,20 @@ def get_grad_norm(
     return total if math.isinf(norm_type) else total ** (1.0 / norm_type)
 
 
-def _default_device() -> torch.device:
-    """Where a rank without gradients computes (it must still join the collectives)."""
+def _norm_device(grads: list[torch.Tensor], params: list[torch.Tensor]) -> torch.device:
+    """Where the partial norms are reduced: a device the process groups can communicate from.
+
+    NCCL reduces CUDA tensors only, so under it a rank with no gradients, or with gradients
+    offloaded to the host, still reduces on its GPU: the first gradient's or parameter's CUDA
+    device, else the current one. Other backends reduce where the gradients are (CPU without any).
+    """
     if dist.is_initialized() and "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        for tensor in (*grads, *params):
+            local = _local(tensor)
+            if local.is_cuda:
+                return local.device
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return _local(grads[0]).device if grads else torch.device("cpu")
 
 
 def _reduce(value: torch.Tensor, group: dist.ProcessGroup, *, maximum: bool) -> torch.Tensor:

@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from megatron_fsdp.plan.models import UnitShape
-from megatron_fsdp.sharding.layout import FlatLayout, build_flat_layout, partition_for_padding
+from megatron_fsdp.sharding.layout import FlatLayout, alignment_numel, build_flat_layout, partition_for_padding
 from megatron_fsdp.sharding.strategy import ShardingPlan, resolve_strategy
 
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
@@ -193,9 +193,10 @@ class RankPlan:
         return {k: int(v) for k, v in out.items()}
 
 
-def _layouts(shapes: list[tuple[int, ...]], pieces: int) -> tuple[FlatLayout, ...]:
-    """The unit's flat buffers, split as ``fully_shard`` splits them."""
-    return tuple(build_flat_layout([shapes[i] for i in part], pieces) for part in partition_for_padding(shapes, pieces))
+def _layouts(shapes: list[tuple[int, ...]], pieces: int, align: int) -> tuple[FlatLayout, ...]:
+    """The unit's flat buffers, split and 16-byte aligned as ``fully_shard`` lays them out."""
+    parts = partition_for_padding(shapes, pieces, align)
+    return tuple(build_flat_layout([shapes[i] for i in part], pieces, align) for part in parts)
 
 
 def plan_rank(
@@ -218,8 +219,10 @@ def plan_rank(
     pieces = (inner * outer if outer_optim and outer > 1 else inner) if plan.optim else 1
     if not 0 <= rank < pieces:
         raise ValueError(f"rank={rank} is not one of the {pieces} main shards")
-    laid = tuple(UnitPlan(u, _layouts(u.shapes, pieces)) for u in units)
-    return RankPlan(plan, world, outer, pieces, laid, precision or Precision(), rank)
+    precision = precision or Precision()
+    align = alignment_numel((precision.compute, precision.main, precision.grad))
+    laid = tuple(UnitPlan(u, _layouts(u.shapes, pieces, align)) for u in units)
+    return RankPlan(plan, world, outer, pieces, laid, precision, rank)
 
 
 def fsdp2_padded_numel(shapes: list[tuple[int, ...]], world: int) -> int:

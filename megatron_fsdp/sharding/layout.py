@@ -10,12 +10,30 @@ boundary falls inside one of its rows. A rank therefore owns whole rows
 ``[row_start, row_start + row_count)`` of each parameter (possibly none).
 A unit may lay its parameters out in several such buffers
 (``partition_for_padding``); the invariant holds in each.
+
+Alignment: with ``align`` elements (``alignment_numel``: 16 bytes of the narrowest dtype
+the buffer is held in), every parameter starts at a multiple of ``align`` and the shard
+size is one, so every view, every shard and every collective's buffer starts 16-byte
+aligned (what NCCL's and cuBLAS's fast paths and fused kernels asserting alignment need).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+ALIGN_BYTES = 16  # the alignment of every parameter's first element in a flat buffer
+
+
+def alignment_numel(itemsizes: Iterable[int]) -> int:
+    """Elements per ``ALIGN_BYTES`` of the narrowest of ``itemsizes``: an offset that is a multiple of it
+    is ``ALIGN_BYTES``-aligned in a buffer of every one of those element sizes."""
+    return max((max(1, ALIGN_BYTES // int(size)) for size in itemsizes), default=1)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -106,8 +124,8 @@ class FlatLayout:
         return (0,) * first + held + (0,) * (self.world_size - 1 - last)
 
 
-def _place(shapes: list[tuple[int, ...]], shard_numel: int, world_size: int) -> list[int] | None:
-    """Greedy placement for one shard size; None when it does not fit."""
+def _place(shapes: list[tuple[int, ...]], shard_numel: int, world_size: int, align: int) -> list[int] | None:
+    """Greedy placement for one shard size (a multiple of ``align``); None when it does not fit."""
     offsets: list[int] = []
     cursor = 0
     for shape in shapes:
@@ -116,10 +134,13 @@ def _place(shapes: list[tuple[int, ...]], shard_numel: int, world_size: int) -> 
         if numel == 0:
             offsets.append(cursor)
             continue
+        cursor = _round_up(cursor, align)
         boundary = (cursor // shard_numel + 1) * shard_numel
         if cursor + numel > boundary:
-            # Crosses a boundary: shift so that the boundary falls between rows.
-            start = cursor + (boundary - cursor) % w
+            # Crosses a boundary: shift so that the boundary falls between rows. Both the
+            # cursor and the boundary are multiples of align, so a shift by a multiple of
+            # lcm(w, align) keeps the start aligned and the boundary between rows.
+            start = cursor + (boundary - cursor) % math.lcm(w, align)
             if start + numel > boundary + shard_numel and shard_numel % w:
                 # Spans two boundaries with a row size that does not divide the
                 # shard: only a start on the boundary itself can still work.
@@ -132,21 +153,26 @@ def _place(shapes: list[tuple[int, ...]], shard_numel: int, world_size: int) -> 
     return offsets if cursor <= shard_numel * world_size else None
 
 
-def build_flat_layout(shapes: list[tuple[int, ...]], world_size: int) -> FlatLayout:
+def build_flat_layout(shapes: list[tuple[int, ...]], world_size: int, align: int = 1) -> FlatLayout:
     """Lay out parameters of the given shapes for ``world_size`` equal shards.
 
     The shard size starts at the even split and grows (in steps that keep every
-    large parameter's row size a divisor of it) until the row-aligned greedy
-    placement fits; padding is therefore below one row per shard boundary for
-    ordinary transformer shapes.
+    large parameter's row size and ``align`` divisors of it) until the row-aligned
+    greedy placement fits; padding is therefore below one row (or ``align``
+    elements) per shard boundary and below ``align`` per parameter for ordinary
+    transformer shapes. Every parameter with elements starts at a multiple of ``align``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if align < 1:
+        raise ValueError(f"align must be >= 1 element, got {align}")
     shapes = [tuple(int(d) for d in s) for s in shapes]
     total = sum(math.prod(s) for s in shapes)
     if world_size == 1 or total == 0:
         offsets, cursor = [], 0
         for s in shapes:
+            if math.prod(s):
+                cursor = _round_up(cursor, align)
             offsets.append(cursor)
             cursor += math.prod(s)
         slots = tuple(ParamSlot(s, o) for s, o in zip(shapes, offsets))
@@ -154,15 +180,15 @@ def build_flat_layout(shapes: list[tuple[int, ...]], world_size: int) -> FlatLay
     lower = -(-total // world_size)
     # Parameters larger than a shard may span several boundaries; their row
     # sizes must then divide the shard size.
-    step = 1
+    step = align
     for s in shapes:
         if math.prod(s) > lower:
             step = math.lcm(step, ParamSlot(s, 0).row_numel)
     if step > lower:
-        step = 1  # pathological row sizes: the search below still terminates
+        step = align  # pathological row sizes: the search below still terminates
     shard = -(-lower // step) * step
     while True:
-        offsets = _place(shapes, shard, world_size)
+        offsets = _place(shapes, shard, world_size, align)
         if offsets is not None:
             slots = tuple(ParamSlot(s, o) for s, o in zip(shapes, offsets))
             return FlatLayout(slots, world_size, shard)
@@ -176,11 +202,11 @@ SPLIT_MIN_SAVING_NUMEL = 1 << 16
 SPLIT_MIN_SAVING_FRACTION = 0.01
 
 
-def _padding(shapes: list[tuple[int, ...]], parts: list[list[int]], world_size: int) -> int:
-    return sum(build_flat_layout([shapes[i] for i in part], world_size).padding_numel for part in parts)
+def _padding(shapes: list[tuple[int, ...]], parts: list[list[int]], world_size: int, align: int) -> int:
+    return sum(build_flat_layout([shapes[i] for i in part], world_size, align).padding_numel for part in parts)
 
 
-def partition_for_padding(shapes: list[tuple[int, ...]], world_size: int) -> list[list[int]]:
+def partition_for_padding(shapes: list[tuple[int, ...]], world_size: int, align: int = 1) -> list[list[int]]:
     """Indices of ``shapes`` split into the flat buffers a unit lays its parameters out in.
 
     One buffer's shard size must be a multiple of the row size of every
@@ -217,9 +243,9 @@ def partition_for_padding(shapes: list[tuple[int, ...]], world_size: int) -> lis
             candidates.append([part + small if j == c else part for j, part in enumerate(classes)])
         if small:
             candidates.append(classes + [small])
-    best, best_padding = everything, _padding(shapes, everything, world_size)
+    best, best_padding = everything, _padding(shapes, everything, world_size, align)
     for parts in candidates[1:]:
-        padding = _padding(shapes, parts, world_size)
+        padding = _padding(shapes, parts, world_size, align)
         saving = best_padding - padding
         more = len(parts) > len(best)
         if saving > 0 and (

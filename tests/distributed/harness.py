@@ -1,4 +1,4 @@
-"""Run many named checks inside one group of gloo processes.
+"""Run many named checks inside one group of processes (gloo on CPU, or NCCL with one GPU per rank).
 
 Launching processes is the slow part of a distributed test, so each test file
 spawns one group per world size and runs all its checks in it; pytest then
@@ -6,6 +6,9 @@ reports every check separately from the collected results.
 
 - ``@check(SUITE, world_sizes, params)`` registers a function (one check per
   combination of ``params``); ``pytest_suite(module)`` is the test file's shim.
+- ``MEGATRON_FSDP_TEST_BACKEND`` picks the backend: ``gloo`` (default, CPU) or ``nccl`` (one
+  process per GPU; a world size larger than the visible GPUs is skipped). Checks create
+  tensors and meshes on ``device()`` / ``device_type()``, never on a hard-coded ``"cpu"``.
 - Every rank writes ``{name: None or traceback}`` after each check; a check fails
   if it failed on any rank, and a rank that died fails every check it did not
   report (``SuiteRun.failures``). Nothing is retried.
@@ -46,6 +49,8 @@ WATCHDOG_S = 90
 MMAP_THRESHOLD = 1 << 16
 # Types a parameter value may have: each is written into the check's name as str(value).
 PARAM_TYPES = (str, int, float, bool)
+BACKEND_ENV = "MEGATRON_FSDP_TEST_BACKEND"  # "gloo" (default) or "nccl"
+BACKENDS = {"gloo": "cpu", "nccl": "cuda"}  # backend -> the device type its ranks compute on
 Params = Mapping[str, Sequence[object]]  # parameter name -> the values a check runs with
 
 
@@ -97,6 +102,38 @@ def check(suite: str, world_sizes: tuple[int, ...] = (2, 4), params: Params | No
     return register
 
 
+def backend() -> str:
+    """The process-group backend the suites run on: ``$MEGATRON_FSDP_TEST_BACKEND``, default ``gloo``."""
+    name = os.environ.get(BACKEND_ENV, "gloo").strip().lower() or "gloo"
+    if name not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={name!r} is not a test backend; use one of {sorted(BACKENDS)}")
+    return name
+
+
+def device_type() -> str:
+    """``"cpu"`` (gloo) or ``"cuda"`` (nccl): what ``init_device_mesh`` and ``to_empty`` take in checks."""
+    return BACKENDS[backend()]
+
+
+def device() -> torch.device:
+    """This rank's device: the CPU, or (nccl) the GPU of its local rank (set current by the harness)."""
+    if device_type() == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
+
+
+def skip_reason(world_size: int) -> str | None:
+    """Why ``world_size`` ranks cannot run on this machine's backend (None: they can)."""
+    if backend() != "nccl":
+        return None
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        return "MEGATRON_FSDP_TEST_BACKEND=nccl needs CUDA and NCCL"
+    visible = torch.cuda.device_count()
+    if visible < max(world_size, 2):
+        return f"{world_size} ranks on nccl need {max(world_size, 2)} GPUs, {visible} visible"
+    return None
+
+
 def names(suite: str, world_size: int) -> list[str]:
     """The names of ``suite``'s checks at ``world_size``, in the order they run."""
     return [name for name, _ in CHECKS.get(f"{suite}@{world_size}", [])]
@@ -129,10 +166,16 @@ def _write_results(out_dir: str, rank: int, results: dict[str, str | None]) -> N
 
 
 def _worker(rank: int, world_size: int, port: int, module: str, suite: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     faulthandler.enable(all_threads=True)  # a native crash (SIGSEGV/SIGABRT) prints where each thread was
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    if device_type() == "cuda":
+        # One GPU per rank; tensors the checks create without a device land on it, as the
+        # models' parameters must for NCCL (the checks themselves stay device-agnostic).
+        torch.cuda.set_device(device())
+        torch.set_default_device(device())
+    dist.init_process_group(backend(), rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
     __import__(module)  # registers the checks in this process
     results: dict[str, str | None] = {}
     checks = CHECKS[f"{suite}@{world_size}"]
@@ -238,6 +281,9 @@ def pytest_suite(checks_module, world_sizes: tuple[int, ...] = (2, 4)):
 
     @pytest.fixture(scope="module", params=list(world_sizes))
     def results(request):
+        reason = skip_reason(request.param)
+        if reason is not None:
+            pytest.skip(reason)
         return request.param, run_suite(checks_module.__name__, suite, request.param)
 
     @pytest.mark.parametrize("name", sorted({x for n in world_sizes for x in names(suite, n)}))

@@ -1,10 +1,12 @@
-"""How ``@check`` registers checks, parameters included (no processes: registration only)."""
+"""How ``@check`` registers checks, parameters included, and how the backend is chosen (no processes)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tests.distributed.harness import CHECKS, check, names
+from tests.distributed import harness
+from tests.distributed.harness import BACKEND_ENV, CHECKS, check, names
 
 SUITE = "harness_selftest"
 
@@ -74,3 +76,22 @@ def test_two_checks_of_one_name_in_a_suite_are_refused():
         @check(SUITE, world_sizes=(2,))
         def bad_input_errors() -> None:  # noqa: F811 (the duplicate under test)
             pass
+
+
+def test_the_backend_and_device_come_from_the_environment(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert (harness.backend(), harness.device_type(), harness.device()) == ("gloo", "cpu", torch.device("cpu"))
+    assert harness.skip_reason(4) is None  # gloo runs any world size on the CPU
+    monkeypatch.setenv(BACKEND_ENV, "NCCL")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert (harness.backend(), harness.device_type(), harness.device()) == ("nccl", "cuda", torch.device("cuda", 1))
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for world_size in (1, 2, 4):
+        reason = harness.skip_reason(world_size)
+        if visible >= max(world_size, 2) and torch.distributed.is_nccl_available():
+            assert reason is None
+        else:  # skipped with the reason, never run on too few GPUs
+            assert reason is not None and ("GPU" in reason or "CUDA" in reason), reason
+    monkeypatch.setenv(BACKEND_ENV, "mpi")
+    with pytest.raises(ValueError, match="MEGATRON_FSDP_TEST_BACKEND='mpi'.*gloo.*nccl"):
+        harness.backend()

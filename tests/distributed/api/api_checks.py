@@ -21,7 +21,7 @@ from megatron_fsdp.fully_shard import fully_shard
 from megatron_fsdp.optim.grad_norm import clip_grad_norm_, get_grad_norm
 from megatron_fsdp.optim.optimizer import fully_shard_optimizer
 from tests.distributed.core.engine_checks import assert_close_params, expect_error, world
-from tests.distributed.harness import check
+from tests.distributed.harness import check, device_type
 from tests.models import Block, Net, global_batch, local_batch, loss_fn
 
 SUITE = "api"
@@ -180,9 +180,9 @@ class InitNet(Net):
 def walkthrough(outer_dp_sharding_strategy: int) -> MegatronFSDP:
     rank, n = world()
     dp_outer_size, dp_shard_size, cp_size, tp_size = (2, n // 2, 1, 1) if n >= 4 else (1, n, 1, 1)
-    # --- README (device type "cpu"; the EP mesh is None: no expert parallelism) ---
+    # --- README (the device type is the harness's; the EP mesh is None: no expert parallelism) ---
     device_mesh = torch.distributed.device_mesh.init_device_mesh(
-        "cpu",
+        device_type(),
         mesh_shape=(dp_outer_size, dp_shard_size, cp_size, tp_size),
         mesh_dim_names=("dp_outer", "dp_shard", "cp", "tp"),
     )
@@ -313,7 +313,7 @@ def torch_clip_grad_norm_on_sharded_params() -> None:
 
 @check(SUITE, world_sizes=(4,))
 def clip_grad_norm_hsdp() -> None:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
     for strategy, outer in [(s, 0) for s in STRATEGIES] + [(2, 1), (3, 1)]:
         torch.manual_seed(0)
         base = Net()
@@ -535,7 +535,7 @@ def broadcast_params_restores_replicas() -> None:
     base = Net()
     cases = [(0, None, 0), (3, None, 0)]
     if n >= 4:
-        mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("dp_outer", "dp_shard"))
+        mesh = init_device_mesh(device_type(), (2, n // 2), mesh_dim_names=("dp_outer", "dp_shard"))
         cases += [(0, mesh, 0), (3, mesh, 0), (3, mesh, 1)]
     for strategy, mesh, outer in cases:
         model = fully_shard_model(copy.deepcopy(base), fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
@@ -692,7 +692,7 @@ def bf16_built_model_maps_to_policy_and_tracks_fp32_ddp() -> None:
 def clip_grad_norm_across_model_parallel_group() -> None:
     """(tp=2, dp=2): each TP rank holds a different model (like TP-split weights); the norm spans both."""
     rank, n = world()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("tp", "dp"))
     tp_rank, dp_rank = mesh.get_local_rank("tp"), mesh.get_local_rank("dp")
     torch.manual_seed(10 + tp_rank)
     base = Net()

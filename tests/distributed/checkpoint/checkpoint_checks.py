@@ -48,7 +48,7 @@ from megatron_fsdp.checkpoint.export import (
     read_full_tensors,
 )
 from tests.distributed.core.engine_checks import expect_error, world
-from tests.distributed.harness import check, shared_tmpdir
+from tests.distributed.harness import check, device_type, shared_tmpdir
 from tests.models import Net, global_batch, loss_fn
 
 SUITE = "checkpoint"
@@ -103,7 +103,7 @@ class Setup:
 
             # A mesh of its own (named): on a mesh equal to ours, DTensor's sharding-propagation
             # cache can hand FSDP2's Shard(0) optimizer state our RaggedShard layout (docs/api.md).
-            mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("torch_fsdp2",))
+            mesh = init_device_mesh(device_type(), (dist.get_world_size(),), mesh_dim_names=("torch_fsdp2",))
             for block in model.blocks:
                 torch_fully_shard(block, mesh=mesh)
             return torch_fully_shard(model, mesh=mesh)
@@ -123,8 +123,8 @@ def sub_mesh(size: int) -> DeviceMesh:
     alive for the whole suite avoids destroying gloo groups mid-run.
     """
     if size == dist.get_world_size():
-        return init_device_mesh("cpu", (size,))
-    return DeviceMesh("cpu", torch.arange(size))
+        return init_device_mesh(device_type(), (size,))
+    return DeviceMesh(device_type(), torch.arange(size))
 
 
 def adamw(model: nn.Module, lr: float = 1e-2) -> torch.optim.AdamW:
@@ -224,7 +224,7 @@ def run_reshard(save: Setup, load: Setup, tolerance: float = 1e-5, compare_exact
 def state_dict_helpers_full_and_sharded() -> None:
     rank, n = world()
     ref, ref_opt = reference(2)
-    model = Setup("zero3", init_device_mesh("cpu", (n,))).build(seed=0)
+    model = Setup("zero3", init_device_mesh(device_type(), (n,))).build(seed=0)
     opt = adamw(model)
     train(model, opt, range(2), (rank, n))
     sharded = get_optimizer_state_dict(model, opt)
@@ -243,7 +243,7 @@ def state_dict_helpers_full_and_sharded() -> None:
             torch.testing.assert_close(full_osd["state"][name][key], state[key], rtol=1e-5, atol=1e-7,
                                        msg=f"{name}.{key}")
     # full -> a fresh sharded model + optimizer through the standard setters
-    fresh = Setup("zero3", init_device_mesh("cpu", (n,))).build(seed=3)
+    fresh = Setup("zero3", init_device_mesh(device_type(), (n,))).build(seed=3)
     fresh_opt = adamw(fresh, lr=0.3)
     full_msd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     set_model_state_dict(fresh, full_msd, options=StateDictOptions(full_state_dict=True))
@@ -260,7 +260,7 @@ def state_dict_helpers_full_and_sharded() -> None:
 @check(SUITE)
 def dcp_save_writes_each_ranks_rows_at_their_global_offsets() -> None:
     rank, n = world()
-    model = Setup("zero3", init_device_mesh("cpu", (n,))).build(seed=0)
+    model = Setup("zero3", init_device_mesh(device_type(), (n,))).build(seed=0)
     opt = adamw(model)
     train(model, opt, range(1), (rank, n))
     with shared_tmpdir("ckpt_") as root:
@@ -299,7 +299,7 @@ def dcp_save_writes_each_ranks_rows_at_their_global_offsets() -> None:
             written += 1
         assert written >= len(fqns), (written, len(fqns))
         # read back with the standard recipe into a fresh model
-        fresh = Setup("zero3", init_device_mesh("cpu", (n,))).build(seed=5)
+        fresh = Setup("zero3", init_device_mesh(device_type(), (n,))).build(seed=5)
         state = {"model": get_model_state_dict(fresh)}
         dcp.load(state, checkpoint_id=root)
         set_model_state_dict(fresh, state["model"])
@@ -337,7 +337,7 @@ def reshard_no_shard_to_zero3() -> None:
 
 @check(SUITE, world_sizes=(4,))
 def reshard_hsdp_to_1d_and_back() -> None:
-    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    hsdp = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
     run_reshard(Setup("hsdp2x2-zero3", hsdp), Setup("zero3@4", sub_mesh(4)))
     run_reshard(Setup("zero2@2", sub_mesh(2), "optim_grads"), Setup("hsdp2x2-zero3", hsdp))
 

@@ -13,7 +13,7 @@ import megatron_fsdp
 from megatron_fsdp import comm_stats, fsdp_no_shard, fully_shard, microbatch
 from megatron_fsdp.sharding.no_shard import is_marked_no_shard
 from tests.distributed.core.engine_checks import shard_net, world
-from tests.distributed.harness import check
+from tests.distributed.harness import check, device
 from tests.models import Block, Net, global_batch, local_batch, loss_fn
 
 SUITE = "accumulation"
@@ -222,7 +222,7 @@ def no_shard_mark_survives_meta_materialisation() -> None:
     with torch.device("meta"):
         tower = Block()
     fsdp_no_shard(tower)
-    tower.to_empty(device="cpu")  # replaces every Parameter object
+    tower.to_empty(device=device())  # replaces every Parameter object
     assert all(is_marked_no_shard(m, p) for m in tower.modules() for p in m.parameters(recurse=False))
     assert not is_marked_no_shard(Block(), Block().up.weight)
     try:

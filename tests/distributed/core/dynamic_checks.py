@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from megatron_fsdp import comm_stats, fully_shard
-from tests.distributed.harness import check
+from tests.distributed.harness import check, device_type
 
 SUITE = "dynamic"
 EXPERTS, DIM, TOKENS, STEPS = 4, 8, 6, 6
@@ -128,7 +128,7 @@ def routed_experts_match_ddp(routing: str, optimizer: str = "sgd") -> None:
 
 @check(SUITE, world_sizes=(4,))
 def hsdp_with_idle_experts_matches_ddp() -> None:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
     for strategy in ("optim_grads", "optim_grads_params"):
         for outer in ("no_shard", "optim"):
             for case in ("skip", "twice"):

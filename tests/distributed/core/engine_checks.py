@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import megatron_fsdp
 from megatron_fsdp import EngineOptions, RaggedShard, comm_stats, fully_shard
 from megatron_fsdp.core.lookup import units_of
-from tests.distributed.harness import check
+from tests.distributed.harness import check, device_type
 from tests.models import Block, Net, global_batch, local_batch, loss_fn
 
 SUITE = "engine"
@@ -314,7 +314,7 @@ def expect_error(exc: type[Exception], fragment: str, fn, *args, **kwargs) -> No
 @check(SUITE, world_sizes=(4,))
 def bad_input_errors() -> None:
     expect_error(ValueError, "valid: 'no_shard'", fully_shard, Block(), sharding_strategy="zero4")
-    mesh3d = init_device_mesh("cpu", (2, 2, 1))
+    mesh3d = init_device_mesh(device_type(), (2, 2, 1))
     expect_error(ValueError, "name the data-parallel ones", fully_shard, Block(), mesh=mesh3d)
     mixed = Block()
     mixed.up.to("meta")

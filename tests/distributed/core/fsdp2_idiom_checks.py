@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp import fully_shard
-from tests.distributed.harness import check
+from tests.distributed.harness import check, device
 
 SUITE = "fsdp2_idioms"
 STRATEGIES = ("optim_grads_params", "optim_grads", "optim", "no_shard")
@@ -54,7 +54,7 @@ def meta_device_init_with_to_empty_and_reset_parameters() -> None:
         for block in model[1:3]:
             fully_shard(block, sharding_strategy=strategy)
         fully_shard(model, sharding_strategy=strategy)
-        model.to_empty(device="cpu")
+        model.to_empty(device=device())
         torch.manual_seed(42)
         for module in model.modules():
             if hasattr(module, "reset_parameters"):
@@ -92,7 +92,7 @@ def module_to_after_fully_shard_keeps_the_shards() -> None:
     for block in model[1:3]:
         fully_shard(block)
     fully_shard(model)
-    model.to("cpu").float()
+    model.to(device()).float()
     x = torch.randn(3, 7)
     torch.testing.assert_close(model(x), base(x))
     try:

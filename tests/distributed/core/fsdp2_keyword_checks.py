@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from megatron_fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from megatron_fsdp.core.lookup import units_of
-from tests.distributed.harness import check
+from tests.distributed.harness import check, device_type
 
 SUITE = "fsdp2_keywords"
 TorchMP = torch_fsdp.MixedPrecisionPolicy
@@ -80,7 +80,7 @@ def make_net() -> Net:
 
 def torch_mesh():
     """FSDP2's mesh: every rank, under a dimension name ours never uses."""
-    return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp2_reference",))
+    return init_device_mesh(device_type(), (dist.get_world_size(),), mesh_dim_names=("fsdp2_reference",))
 
 
 def full(param: torch.Tensor) -> torch.Tensor:
@@ -378,7 +378,7 @@ def dp_mesh_dims_names_the_data_parallel_dimensions() -> None:
     dims_cls = getattr(torch_fsdp, "DataParallelMeshDims", None)
     if dims_cls is None:  # torch 2.11: no such class; the keyword needs one
         return
-    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("rep", "shard"))
+    mesh = init_device_mesh(device_type(), (1, dist.get_world_size()), mesh_dim_names=("rep", "shard"))
     ours, reference = make_net(), make_net()
     for block in ours.blocks:
         fully_shard(block, mesh=mesh, dp_mesh_dims=dims_cls(shard="shard", replicate="rep"))

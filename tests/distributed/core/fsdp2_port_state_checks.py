@@ -34,7 +34,7 @@ from tests.distributed.core.fsdp2_port_models import (
     shard_blocks_then_root,
     train_against,
 )
-from tests.distributed.harness import check, shared_tmpdir
+from tests.distributed.harness import check, device, device_type, shared_tmpdir
 
 # -- test_fully_shard_state_dict.py -------------------------------------------------------
 
@@ -183,8 +183,8 @@ def meta_device_1d_init() -> None:
     # FSDP2 leaves the sharded parameters on meta until to_empty; ours allocates the shards
     # (uninitialised) at fully_shard, and to_empty keeps them (docs/fsdp2.md, "Differences").
     assert all(isinstance(p, DTensor) for p in model.parameters())
-    model.to_empty(device="cpu")
-    assert all(p.device.type == "cpu" and isinstance(p, DTensor) for p in model.parameters())
+    model.to_empty(device=device())
+    assert all(p.device.type == device_type() and isinstance(p, DTensor) for p in model.parameters())
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     const = 1337
     for tensor in itertools.chain(model.parameters(), model.buffers()):
@@ -343,7 +343,7 @@ def gradient_scaler() -> None:
             fully_shard(layer)
         fully_shard(model)
         loss = model(torch.randn([4, 4])).sum()
-        scaler = GradScaler("cpu", init_scale=2.0, enabled=True)
+        scaler = GradScaler(device_type(), init_scale=2.0, enabled=True)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         scaler.scale(loss).backward()
         inv_scale = scaler._scale.double().reciprocal().float()

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import megatron_fsdp
 from megatron_fsdp import comm_stats, fsdp_no_shard, fully_shard, fully_shard_model, fully_shard_optimizer, microbatch
-from tests.distributed.harness import check
+from tests.distributed.harness import check, device_type
 from tests.models import Block, Net, global_batch, local_batch, loss_fn
 
 SUITE = "robustness"
@@ -36,7 +36,7 @@ def configs() -> Iterator[tuple[str, dict]]:
     _, n = world()
     for strategy in STRATEGIES:
         yield strategy, dict(sharding_strategy=strategy)
-    outer = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    outer = init_device_mesh(device_type(), (2, n // 2), mesh_dim_names=("dp_outer", "dp_shard"))
     yield "hsdp(optim_grads_params)", dict(sharding_strategy="optim_grads_params", mesh=outer)
 
 
@@ -349,7 +349,7 @@ def models_that_differ_across_ranks_raise_on_every_rank() -> None:
 def models_differing_across_dp_outer_only_raise() -> None:
     """HSDP: ranks of each dp_shard group agree but the replicas differ: caught over dp_outer."""
     rank, _ = world()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
     head = Head(5 if rank >= 2 else 4)  # shard groups {0,1} and {2,3} agree internally
     expect(ValueError, ("ranks [0, 2]" if rank % 2 == 0 else "ranks [1, 3]", "'proj.weight'"),
            fully_shard, head, mesh=mesh)
@@ -361,7 +361,7 @@ def models_differing_across_dp_outer_only_raise() -> None:
 @check(SUITE, world_sizes=(2,))
 def mesh_without_this_rank_raises() -> None:
     rank, _ = world()
-    mesh = DeviceMesh("cpu", [0])
+    mesh = DeviceMesh(device_type(), [0])
     if rank == 0:
         assert isinstance(fully_shard(Block(), mesh=mesh), megatron_fsdp.FSDPModule)
     else:

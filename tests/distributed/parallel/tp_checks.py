@@ -24,7 +24,7 @@ from megatron_fsdp.parallel import (
     vocab_parallel_cross_entropy,
 )
 from megatron_fsdp.parallel.tp_group import take_partition
-from tests.distributed.harness import check
+from tests.distributed.harness import check, device, device_type
 
 SUITE = "tp"
 RTOL = 1e-5
@@ -59,7 +59,7 @@ def _segments(name: str, config: GPTConfig) -> tuple[int, ...] | None:
 
 
 def _groups(tp_size: int, cp_size: int, sequence_parallel: bool) -> tuple[TensorParallel, ContextParallel]:
-    mesh = init_device_mesh("cpu", (cp_size, tp_size), mesh_dim_names=("cp", "tp"))
+    mesh = init_device_mesh(device_type(), (cp_size, tp_size), mesh_dim_names=("cp", "tp"))
     return (TensorParallel.from_group(mesh.get_group("tp"), sequence_parallel),
             ContextParallel.from_group(mesh.get_group("cp")))
 
@@ -180,7 +180,7 @@ def meta_init_gives_the_eager_slices():
     torch.manual_seed(11)
     with torch.device("meta"):
         meta = GPTModel(config, tp)
-    meta.to_empty(device="cpu")
+    meta.to_empty(device=device())
     for module in meta.modules():  # pre-order, as materialize_meta does
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from megatron_fsdp import RaggedShard, comm_stats, fully_shard
 from tests.distributed.core.engine_checks import assert_close_params, expect_error, world
-from tests.distributed.harness import check
+from tests.distributed.harness import check, device_type
 from tests.models import Block, Net, global_batch, local_batch, loss_fn
 
 SUITE = "hsdp"
@@ -44,20 +44,20 @@ def parity(strategy: str, **kwargs) -> None:
 
 @check(SUITE, world_sizes=(4,))
 def hsdp_parity_every_inner_strategy() -> None:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
     for strategy in ("optim_grads_params", "optim_grads", "optim", "no_shard"):
         parity(strategy, mesh=mesh)
 
 
 @check(SUITE, world_sizes=(4,))
 def hsdp_named_dims_in_a_larger_mesh() -> None:
-    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
+    mesh = init_device_mesh(device_type(), (2, 2, 1), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
     parity("optim_grads_params", mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
     model = fully_shard(Block(), mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
     placements = model.up.weight.placements
     assert placements[0] == Replicate() and isinstance(placements[1], RaggedShard), placements
     # shard over every dp rank of a named mesh: 1-D over the named dimension
-    flat = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp_shard", "tp"))
+    flat = init_device_mesh(device_type(), (4, 1), mesh_dim_names=("dp_shard", "tp"))
     model = fully_shard(Block(), mesh=flat, dp_shard_dim="dp_shard")
     assert len(model.up.weight.placements[0].local_sizes) == 4
 
@@ -65,7 +65,7 @@ def hsdp_named_dims_in_a_larger_mesh() -> None:
 @check(SUITE, world_sizes=(4,))
 def hsdp_bytes() -> None:
     rank, n = world()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
     model = shard_hsdp(Net(), "optim_grads_params", mesh=mesh)
     batch = local_batch(0, rank, n)
     loss_fn(model, batch).backward()
@@ -78,7 +78,7 @@ def hsdp_bytes() -> None:
 
 @check(SUITE, world_sizes=(4,))
 def hsdp_bad_input() -> None:
-    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
+    mesh = init_device_mesh(device_type(), (2, 2, 1), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
     expect_error(ValueError, "its dimensions are ('dp_outer', 'dp_shard', 'tp')", fully_shard, Block(),
                  mesh=mesh, dp_shard_dim="dp_shard_cp")
     expect_error(ValueError, "dp_outer_dim='outer' is not a dimension", fully_shard, Block(),
@@ -86,10 +86,10 @@ def hsdp_bad_input() -> None:
     expect_error(ValueError, "needs dp_shard_dim", fully_shard, Block(), mesh=mesh, dp_outer_dim="dp_outer")
     expect_error(ValueError, "must come before", fully_shard, Block(), mesh=mesh, dp_shard_dim="dp_outer",
                  dp_outer_dim="dp_shard")
-    mesh2 = init_device_mesh("cpu", (2, 2))
+    mesh2 = init_device_mesh(device_type(), (2, 2))
     expect_error(ValueError, "use one of ('no_shard', 'optim')", fully_shard, Block(), mesh=mesh2,
                  outer_sharding_strategy="optim_grads")
-    flat = init_device_mesh("cpu", (4,))
+    flat = init_device_mesh(device_type(), (4,))
     expect_error(ValueError, "needs an outer data-parallel dimension", fully_shard, Block(), mesh=flat,
                  outer_sharding_strategy="optim")
     expect_error(ValueError, "needs sharding_strategy 'optim_grads' or 'optim_grads_params'", fully_shard, Block(),
@@ -102,7 +102,7 @@ def hsdp_meta_init_agrees_across_replicas() -> None:
     from tests.distributed.core.init_checks import MetaNet
 
     rank, _ = world()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
     torch.manual_seed(3)
     eager = MetaNet()
     with torch.device("meta"):

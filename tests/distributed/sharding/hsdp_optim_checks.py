@@ -27,7 +27,7 @@ from megatron_fsdp.sharding.no_shard import fsdp_no_shard
 from megatron_fsdp.sharding.ragged_shard import RaggedShard
 from tests.distributed.core.accumulation_checks import single_process_adamw
 from tests.distributed.core.engine_checks import assert_close_params, expect_error, world
-from tests.distributed.harness import check, shared_tmpdir
+from tests.distributed.harness import check, device_type, shared_tmpdir
 from tests.models import Net, global_batch, local_batch, loss_fn
 
 SUITE = "hsdp_optim"
@@ -35,7 +35,7 @@ INNER = ("optim_grads_params", "optim_grads")
 
 
 def hsdp_mesh():
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    return init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
 
 
 def shard_outer_optim(model: Net, strategy: str = "optim_grads_params", **kwargs) -> Net:
@@ -88,12 +88,12 @@ def parity_with_ddp_and_single_process() -> None:
         worst_ddp, worst_single = train_parity(strategy)
         report(f"{strategy}: 4 AdamW steps, worst rel. error vs DDP {worst_ddp:.2e}, vs single {worst_single:.2e}")
     # a no_shard-marked parameter (a replicated group) and named dimensions of a larger mesh
-    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
+    mesh = init_device_mesh(device_type(), (2, 2, 1), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
     worst_ddp, worst_single = train_parity("optim_grads_params", steps=2, mark_tiny=True, mesh=mesh,
                                            dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
     report(f"named dims + no_shard param: vs DDP {worst_ddp:.2e}, vs single {worst_single:.2e}")
     # dp_shard of size 1: plain ZeRO-1 over dp_outer (compute weights whole, no dp_shard collectives)
-    mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp_outer", "dp_shard"))
+    mesh = init_device_mesh(device_type(), (4, 1), mesh_dim_names=("dp_outer", "dp_shard"))
     worst_ddp, worst_single = train_parity("optim_grads_params", steps=2, mesh=mesh)
     report(f"(4, 1) mesh: vs DDP {worst_ddp:.2e}, vs single {worst_single:.2e}")
 
@@ -287,7 +287,7 @@ def microbatch_and_no_sync_accumulation() -> None:
 
 
 def zero3_1d(model: Net) -> Net:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model.probe, mesh=mesh)
@@ -338,7 +338,7 @@ def bad_input_errors() -> None:
         expect_error(ValueError, "outer_sharding_strategy='optim' needs sharding_strategy 'optim_grads' or "
                      f"'optim_grads_params' (gradients sharded within dp_shard), got sharding_strategy={strategy!r}",
                      fully_shard, Net(), mesh=mesh, sharding_strategy=strategy, outer_sharding_strategy="optim")
-    flat = init_device_mesh("cpu", (4,))
+    flat = init_device_mesh(device_type(), (4,))
     expect_error(ValueError, "needs an outer data-parallel dimension", fully_shard, Net(), mesh=flat,
                  outer_sharding_strategy="optim")
     expect_error(ValueError, "use one of ('no_shard', 'optim')", fully_shard, Net(), mesh=mesh,

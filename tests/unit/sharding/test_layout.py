@@ -8,6 +8,7 @@ import pytest
 from megatron_fsdp.sharding.layout import (
     SPLIT_MIN_SAVING_FRACTION,
     SPLIT_MIN_SAVING_NUMEL,
+    alignment_numel,
     build_flat_layout,
     partition_for_padding,
 )
@@ -143,3 +144,50 @@ def test_small_units_keep_one_buffer():
     for world_size in (2, 4, 8):
         assert len(partition_for_padding(transformer_block(384, 1536), world_size)) == 1
         assert len(partition_for_padding([(12, 7), (12,), (5, 12), (5,)], world_size)) == 1
+
+
+@pytest.mark.parametrize("align", [2, 4, 8, 16])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_aligned_offsets_keep_every_invariant(align, world_size):
+    """Every parameter with elements starts at a multiple of ``align``, and so does every shard."""
+    rng = random.Random(world_size * 100 + align)
+    for _ in range(150):
+        shapes = [tuple(rng.randint(1, 9) for _ in range(rng.randint(0, 3))) for _ in range(rng.randint(1, 8))]
+        shapes.insert(rng.randint(0, len(shapes)), (0, 3))  # a parameter with no elements is never moved
+        layout = build_flat_layout(shapes, world_size, align)
+        assert_valid(layout)
+        assert all(s.offset % align == 0 for s in layout.slots if s.numel), (shapes, layout)
+        if world_size > 1:
+            assert layout.shard_numel % align == 0, (shapes, layout)
+        for part in partition_for_padding(shapes, world_size, align):
+            assert_valid(build_flat_layout([shapes[i] for i in part], world_size, align))
+
+
+def test_alignment_numel_is_16_bytes_of_the_narrowest_dtype():
+    assert alignment_numel([4]) == 4 and alignment_numel([2, 4]) == 8 and alignment_numel([1]) == 16
+    assert alignment_numel([8]) == 2 and alignment_numel([16, 32]) == 1
+    with pytest.raises(ValueError, match="align must be >= 1"):
+        build_flat_layout([(3,)], 2, align=0)
+
+
+# The cost of 16-byte alignment (bf16 compute: 8 elements), measured: a realistic block pads
+# exactly as before (rows are multiples of 8), the awkward test shapes a few elements per parameter.
+@pytest.mark.parametrize(
+    "h,ffn,world_size", [(384, 1536, 2), (384, 1536, 8), (1024, 4096, 16), (4096, 11008, 8), (4096, 14336, 64)]
+)
+def test_alignment_costs_nothing_on_a_transformer_block(h, ffn, world_size):
+    plain = build_flat_layout(transformer_block(h, ffn), world_size)
+    aligned = build_flat_layout(transformer_block(h, ffn), world_size, align=8)
+    assert_valid(aligned)
+    assert aligned.padding_numel / aligned.param_numel < 0.01
+    assert aligned.padding_numel - plain.padding_numel <= 8 * world_size
+
+
+def test_alignment_padding_is_below_align_per_parameter_and_boundary():
+    shapes = [(13,), (13,), (40, 13), (40,), (13, 40), (13,), (1, 13), (17, 13)]  # tests/models.py's odd sizes
+    for world_size in (1, 2, 4):
+        plain = build_flat_layout(shapes, world_size)
+        for align in (4, 8):
+            aligned = build_flat_layout(shapes, world_size, align)
+            bound = align * len(shapes) + world_size * 13 * align  # per parameter, plus lcm(row, align) per boundary
+            assert aligned.padding_numel - plain.padding_numel <= bound, (world_size, align)

@@ -149,7 +149,8 @@ def test_bf16_compute_matches_the_plan():
 
 def test_split_unit_holds_exactly_its_zero_share():
     # Linear(512, 512) with bias at 256 ranks: one buffer would pad each shard to 3 rows of 512
-    # (50%); weight and bias in two buffers hold 2 rows and 2 elements per rank, no padding.
+    # (50%); weight and bias in two buffers hold 2 rows and 2 elements per rank, padded only to
+    # 16 bytes: the bias buffer's shards start aligned (4 fp32 elements, 8 bytes of padding per rank).
     hidden, layers, rank = 512, 2, 200
     params = layers * (hidden * hidden + hidden)
     with fake_world(WORLD, rank):
@@ -157,8 +158,12 @@ def test_split_unit_holds_exactly_its_zero_share():
         model = nn.Sequential(*(nn.Linear(hidden, hidden) for _ in range(layers)))
         shard_all(model)
         assert sorted(len(u.groups) for u in units_of(model)) == [0, 2, 2]  # the root owns no parameter
-        assert shard_numel(model) == local_numel(model) == params // WORLD
+        padded = params // WORLD + layers * (4 - hidden // WORLD)  # per rank: the bias shard rounded up to 16 bytes
+        assert shard_numel(model) == padded
+        # 4 bias elements per rank fill the first 128 ranks' bias shards; rank 200 holds weight rows only
+        assert local_numel(model) == layers * hidden * hidden // WORLD
         stats = model.fsdp_comm_stats
         stats.reset()
         model(torch.ones(2, hidden)).sum().backward()
-        assert stats.bytes["all_gather"] == 2 * params * 4 and stats.bytes["reduce_scatter"] == params * 4
+        assert stats.bytes["all_gather"] == 2 * padded * WORLD * 4
+        assert stats.bytes["reduce_scatter"] == padded * WORLD * 4
