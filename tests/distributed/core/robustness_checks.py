@@ -374,7 +374,8 @@ def fully_shard_arguments_are_checked() -> None:
            fully_shard, Block(), reshard_after_forward=3)
     expect(TypeError, ("reshard_after_forward must be True or False", "'yes'"),
            fully_shard, Block(), reshard_after_forward="yes")
-    expect(TypeError, ("reshard_after_forward",), fully_shard, Block(), reshard_after_forward=None)
+    expect(TypeError, ("reshard_after_forward", "2.5"), fully_shard, Block(), reshard_after_forward=2.5)
+    assert fully_shard(Block(), reshard_after_forward=None).fsdp_unit.reshard_after_forward  # FSDP2's default
     expect(TypeError, ("dp_shard_dim must be a mesh dimension name",), fully_shard, Block(), dp_shard_dim=0)
     expect(TypeError, ("dp_outer_dim",), fully_shard, Block(), dp_shard_dim="x", dp_outer_dim=1)
     expect(TypeError, ("outer_sharding_strategy must be one of",), fully_shard, Block(), outer_sharding_strategy=0)
