@@ -202,6 +202,11 @@ def fully_shard_model(
         fsdp_unit_modules: classes or ``"import.path.Class"`` strings.
         device_mesh, dp_shard_dim, dp_outer_dim: the mesh (default: all ranks)
             and the names of its sharding and (HSDP) replicating dimensions.
+        expt_device_mesh: expert parallelism: the expert modules (``expert_modules``:
+            the outermost modules whose parameters all carry ``allreduce = False``)
+            become units of their own, sharded over this mesh's ``dp_shard_cp`` or
+            ``dp_shard`` dimension (a 1-D mesh: all of it), their gradients averaged
+            over the dense data-parallel size (docs/moe.md).
         zero_dp_strategy: 0-3 or ``"no_shard"``/``"optim"``/``"optim_grads"``/``"optim_grads_params"``.
         outer_dp_sharding_strategy: HSDP across ``dp_outer``: 0/``"no_shard"``.
         grad_reduce_in_fp32, preserve_fp32_weights: the precision (see
@@ -230,6 +235,8 @@ def fully_shard_model(
         _check_flag(name, value)
         if value and name in _REJECTED:
             raise NotImplementedError(f"fully_shard_model({name}=True): {_REJECTED[name]}")
+    if expt_device_mesh is not None and not isinstance(expt_device_mesh, DeviceMesh):
+        raise TypeError(f"expt_device_mesh must be a DeviceMesh (or None), got {type(expt_device_mesh).__name__}")
     if average_in_collective and calculate_per_token_loss:
         raise ValueError(
             "average_in_collective=True and calculate_per_token_loss=True contradict each other (average vs sum)"
@@ -261,7 +268,14 @@ def fully_shard_model(
     )
     if expt_device_mesh is not None:  # expert units first: they sit inside the dense units
         expert_kwargs = _expert_shard_kwargs(expt_device_mesh, dp_mesh.size, shard_kwargs)
-        for sub in expert_modules(module):
+        experts = expert_modules(module)
+        if not experts:
+            raise ValueError(
+                "fully_shard_model(expt_device_mesh=...): no module's parameters are all expert parameters (marked "
+                "with Megatron's attribute param.allreduce = False); mark the experts' parameters, or pass "
+                "expt_device_mesh=None"
+            )
+        for sub in experts:
             shard_module(sub, **expert_kwargs)
     for sub in _modules_to_shard(module, classes, enable_fine_grained_param_gather):
         if not isinstance(sub, FSDPModule):
@@ -312,6 +326,11 @@ def _expert_shard_kwargs(expt_device_mesh: DeviceMesh, dense_dp_size: int, dense
         raise ValueError(
             f"expt_device_mesh has dimensions {names}: name its expert data-parallel dimension 'dp_shard_cp' (as "
             "Megatron-FSDP's) or 'dp_shard', or pass a 1-D mesh of the expert data-parallel ranks"
+        )
+    if "tp" in names and expt_device_mesh.size(names.index("tp")) > 1:
+        raise NotImplementedError(
+            "expt_device_mesh has a 'tp' dimension of size > 1: expert tensor parallelism is not implemented; "
+            "give the expert mesh a 'tp' dimension of size 1 (or none)"
         )
     kwargs = dict(dense, mesh=expt_device_mesh, dp_shard_dim=dims[0] if dims else None, dp_outer_dim=None,
                   outer_sharding_strategy="no_shard")
