@@ -17,8 +17,9 @@ from torch import nn
 
 from megatron.training.global_vars import get_args
 from megatron.training.gpt_model import GPTConfig, GPTModel
-from megatron.training.parallel_state import get_context_parallel, get_tensor_parallel
+from megatron.training.parallel_state import get_context_parallel, get_expert_parallel, get_tensor_parallel
 from megatron.training.training import pretrain
+from megatron_fsdp.parallel.moe import set_aux_loss_scale
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True) -> nn.Module:
@@ -28,15 +29,19 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> nn.Mo
         from megatron.training.mcore_model import mcore_gpt_model
 
         return mcore_gpt_model(args, pre_process, post_process)
-    return GPTModel(GPTConfig(
+    model = GPTModel(GPTConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         vocab_size=args.padded_vocab_size, max_position_embeddings=args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type, normalization=args.normalization,
         swiglu=args.swiglu, untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         init_method_std=args.init_method_std, attention_dropout=args.attention_dropout,
-        hidden_dropout=args.hidden_dropout, rotary_base=args.rotary_base,
-    ), tp=get_tensor_parallel(), cp=get_context_parallel())
+        hidden_dropout=args.hidden_dropout, rotary_base=args.rotary_base, num_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+    ), tp=get_tensor_parallel(), cp=get_context_parallel(), ep=get_expert_parallel())
+    set_aux_loss_scale(model, 1.0 / args.num_microbatches)  # Megatron's: per micro-batch, as the lm loss
+    return model
 
 
 def forward_step(batch: dict, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from megatron_fsdp.sharding.strategy import OUTER_STRATEGY_NAMES, STRATEGY_NAMES
 
 from .datasets.builder import parse_split
+from .moe_arguments import add_moe_args, validate_moe_args
 from .tokenizer import TOKENIZER_TYPES
 
 STRATEGIES = STRATEGY_NAMES
@@ -138,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Megatron-style GPT pre-training on megatron_fsdp (see docs/megatron.md)",
         allow_abbrev=False,
     )
-    for add in (_model_args, _training_args, _data_args, _model_parallel_args, _fsdp_args):
+    for add in (_model_args, _training_args, _data_args, _model_parallel_args, add_moe_args, _fsdp_args):
         add(parser)
     return parser
 
@@ -178,6 +179,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
               f"({2 * args.context_parallel_size}): the load-balanced split cuts the sequence into that many chunks")
     _validate_batch(args)
     _validate_fsdp(args)
+    validate_moe_args(args, world_size, _fail)
     _validate_data_and_checkpoints(args)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters

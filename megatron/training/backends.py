@@ -15,14 +15,16 @@ from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from megatron_fsdp.core.microbatch import microbatch
 from megatron_fsdp.core.module import FSDPModule
 from megatron_fsdp.mcore import FullyShardedDataParallel
-from megatron_fsdp.optim.grad_norm import clip_grad_norm_
+from megatron_fsdp.optim.grad_norm import clip_grad_norm_, get_grad_norm
 from megatron_fsdp.optim.optimizer import fully_shard_optimizer
 from megatron_fsdp.parallel import allreduce_sequence_parallel_grads, params_for_grad_norm
+from megatron_fsdp.parallel.expert_dispatch import ExpertParallel
 
 from .initialize import print_rank_0
 from .model_setup import ddp_config_from_args
@@ -62,7 +64,9 @@ class DataParallelBackend(abc.ABC):
         Under sequence parallelism the TP-replicated gradients are first summed over TP.
         """
         params = [p for p in self.model.parameters() if p.grad is not None]
-        tp = self.layout.tp
+        tp, ep = self.layout.tp, self.layout.ep
+        if ep.size > 1:  # expert shards are distinct across EP too: their squares are summed over EP
+            return clip_grad_norm_with_experts(params, max_norm, ep)
         allreduce_sequence_parallel_grads(params, tp)
         norm = clip_grad_norm_(params, max_norm, model_parallel_group=tp.group if tp.size > 1 else None,
                                parameters_for_norm=params_for_grad_norm(params, tp))
@@ -134,6 +138,24 @@ class FSDPBackend(DataParallelBackend):
         return fully_shard_optimizer(optimizer)
 
 
+def clip_grad_norm_with_experts(params: list[torch.Tensor], max_norm: float, ep: ExpertParallel) -> float:
+    """Clip by the global norm where expert parameters (``allreduce = False``) differ across EP ranks.
+
+    Dense shards are summed over their data-parallel mesh; expert shards over their
+    expert data-parallel mesh and then over the EP group, so each parameter counts once.
+    """
+    expert = {id(p) for p in params if not getattr(p, "allreduce", True)}
+    dense_sq = get_grad_norm([p for p in params if id(p) not in expert]) ** 2
+    expert_sq = get_grad_norm([p for p in params if id(p) in expert], model_parallel_group=ep.group) ** 2
+    norm = (dense_sq + expert_sq).sqrt()
+    coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_ formula
+    with torch.no_grad():
+        for param in params:
+            local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            local.mul_(coef.to(dtype=local.dtype, device=local.device))
+    return float(norm)
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's module under DDP / FullyShardedDataParallel / MegatronFSDP wrappers."""
     while hasattr(model, "module") and isinstance(model.module, nn.Module) and not isinstance(model, FSDPModule):
@@ -160,5 +182,7 @@ def build_backend(
     if not meta:
         model.to(device)
     # Units: the adapter's default, the model's TransformerLayer class (ours or megatron-core's).
-    wrapped = FullyShardedDataParallel(args, ddp_config_from_args(args), model, device_mesh=layout.mesh)
+    # With expert parallelism, expert modules are units of their own over the expert mesh's dp_shard.
+    wrapped = FullyShardedDataParallel(args, ddp_config_from_args(args), model, device_mesh=layout.mesh,
+                                       expt_device_mesh=layout.expt_mesh)
     return FSDPBackend(wrapped, device, layout)

@@ -20,6 +20,10 @@ row-parallel, the word embedding and the output layer split by vocabulary, and t
 loss computed on vocabulary-parallel logits. At TP size 1 each layer is the plain
 one (the same arithmetic); at any size the initial weights are the slices of the
 TP-1 model's (each layer draws the full weight and keeps its slice).
+
+Mixture of Experts (``--num-experts``): every layer's MLP is a ``MoELayer``
+(``megatron_fsdp.parallel.moe``) whose experts are spread over the expert-parallel
+group ``ep``; expert ``e`` has the same initial weights at any EP size (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -40,12 +44,14 @@ from megatron_fsdp.parallel import (
     vocab_parallel_cross_entropy,
 )
 from megatron_fsdp.parallel.context import causal_mask, gather_sequence
+from megatron_fsdp.parallel.expert_dispatch import ExpertParallel
 from megatron_fsdp.parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     scatter_to_sequence_parallel_region,
 )
+from megatron_fsdp.parallel.moe import MoELayer
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,10 @@ class GPTConfig:
     hidden_dropout: float = 0.1
     rotary_base: int = 10000
     layernorm_epsilon: float = 1e-5
+    num_experts: int | None = None  # None: a dense MLP in every layer
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None  # default: ffn_size
+    moe_aux_loss_coeff: float = 0.0
 
     @property
     def ffn_size(self) -> int:
@@ -208,15 +218,22 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm transformer layer: the default FSDP unit."""
+    """Pre-norm transformer layer: the default FSDP unit (with MoE, its experts are units of their own)."""
 
-    def __init__(self, config: GPTConfig, tp: TensorParallel, cp: ContextParallel) -> None:
+    def __init__(self, config: GPTConfig, tp: TensorParallel, cp: ContextParallel,
+                 ep: ExpertParallel | None = None, layer_number: int = 0) -> None:
         super().__init__()
         output_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         self.input_norm = _norm(config, tp)
         self.attention = SelfAttention(config, output_std, tp, cp)
         self.pre_mlp_norm = _norm(config, tp)
-        self.mlp = MLP(config, output_std, tp)
+        if config.num_experts is None:
+            self.mlp = MLP(config, output_std, tp)
+        else:
+            ffn = config.ffn_size if config.moe_ffn_hidden_size is None else config.moe_ffn_hidden_size
+            self.mlp = MoELayer(config.hidden_size, config.num_experts, config.moe_router_topk, ffn,
+                                swiglu=config.swiglu, std=config.init_method_std, output_std=output_std,
+                                aux_loss_coeff=config.moe_aux_loss_coeff, layer_number=layer_number, ep=ep)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -232,10 +249,11 @@ class GPTModel(nn.Module):
     residual stream between layers holds this TP rank's part of the sequence.
     ``cp``: the context-parallel group (default: none); ``forward`` then takes this CP
     rank's tokens (``ContextParallel.split`` of the sequence) and returns their losses.
+    ``ep``: the expert-parallel group of MoE layers (default: every expert local).
     """
 
-    def __init__(self, config: GPTConfig, tp: TensorParallel | None = None, cp: ContextParallel | None = None
-                 ) -> None:
+    def __init__(self, config: GPTConfig, tp: TensorParallel | None = None, cp: ContextParallel | None = None,
+                 ep: ExpertParallel | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp = TensorParallel.single() if tp is None else tp
@@ -248,7 +266,9 @@ class GPTModel(nn.Module):
             else None
         )
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
-        self.layers = nn.ModuleList([TransformerLayer(config, tp, cp) for _ in range(config.num_layers)])
+        if config.num_experts is not None and (tp.size > 1 or cp.size > 1):
+            raise ValueError("--num-experts with tensor or context parallelism is not supported")
+        self.layers = nn.ModuleList([TransformerLayer(config, tp, cp, ep, i) for i in range(config.num_layers)])
         self.final_norm = _norm(config, tp)
         self.output_layer = (
             ColumnParallelLinear(config.hidden_size, config.vocab_size, std, tp, bias=False)

@@ -8,6 +8,12 @@ only with ``--context-parallel-size`` > 1). FSDP shards over ``dp_shard`` x ``cp
 DDP reduces over the same ranks. ``get_tensor_parallel()`` and
 ``get_context_parallel()`` offer the groups to model providers, as Megatron's
 ``parallel_state`` does.
+
+With ``--expert-model-parallel-size P`` > 1 a second mesh ``(dp_shard, ep)`` of
+``world / P`` x ``P`` ranks lays out the experts as Megatron does (expert
+parallelism fastest: ranks ``[d * P, (d + 1) * P)`` form an EP group); expert
+parameters are sharded over its ``dp_shard`` (expert data-parallel) dimension and
+``get_expert_parallel()`` offers the EP group (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megatron_fsdp.parallel import ContextParallel, TensorParallel
+from megatron_fsdp.parallel.expert_dispatch import ExpertParallel
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,8 @@ class ParallelLayout:
     grad_group: dist.ProcessGroup
     dp_rank: int
     dp_size: int
+    ep: ExpertParallel = ExpertParallel.single()
+    expt_mesh: DeviceMesh | None = None  # (dp_shard, ep) with expert parallelism, else None
 
     @property
     def grad_group_size(self) -> int:
@@ -46,6 +55,7 @@ class ParallelLayout:
 
 _TP: TensorParallel | None = None
 _CP: ContextParallel | None = None
+_EP: ExpertParallel | None = None
 
 
 def _groups_over(dim_size: int, fixed: int, stride: int, world: int) -> list[list[int]]:
@@ -83,7 +93,12 @@ def build_layout(args: argparse.Namespace, device: torch.device) -> ParallelLayo
             for ranks in _groups_over(dp_size * cp_size, tp_size, tp_size, world):
                 group = dist.new_group(ranks)
                 grad_group = group if rank in ranks else grad_group
-    return ParallelLayout(mesh, tp, cp, dp_group, grad_group, rank // (tp_size * cp_size), dp_size)
+    ep, expt_mesh = ExpertParallel.single(), None
+    ep_size = getattr(args, "expert_model_parallel_size", 1)
+    if ep_size > 1:
+        expt_mesh = init_device_mesh(device.type, (world // ep_size, ep_size), mesh_dim_names=("dp_shard", "ep"))
+        ep = ExpertParallel.from_group(expt_mesh.get_group("ep"))
+    return ParallelLayout(mesh, tp, cp, dp_group, grad_group, rank // (tp_size * cp_size), dp_size, ep, expt_mesh)
 
 
 def set_tensor_parallel(tp: TensorParallel) -> None:
@@ -94,6 +109,18 @@ def set_tensor_parallel(tp: TensorParallel) -> None:
 def set_context_parallel(cp: ContextParallel) -> None:
     global _CP
     _CP = cp
+
+
+def set_expert_parallel(ep: ExpertParallel) -> None:
+    global _EP
+    _EP = ep
+
+
+def get_expert_parallel() -> ExpertParallel:
+    """This rank's expert-parallel group (set by ``pretrain`` before the model is built)."""
+    if _EP is None:
+        raise RuntimeError("get_expert_parallel() called before pretrain() built the parallel layout")
+    return _EP
 
 
 def get_context_parallel() -> ContextParallel:

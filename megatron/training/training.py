@@ -26,7 +26,7 @@ from .global_vars import set_args
 from .initialize import check_save_dir, initialize_distributed, print_rank_0, set_random_seed
 from .model_setup import build_adamw, pad_vocab_size
 from .optimizer_param_scheduler import OptimizerParamScheduler
-from .parallel_state import build_layout, set_context_parallel, set_tensor_parallel
+from .parallel_state import build_layout, set_context_parallel, set_expert_parallel, set_tensor_parallel
 from .trainer import ForwardStep, Trainer, TrainingResult
 
 __all__ = ["ForwardStep", "TrainingResult", "pretrain"]
@@ -54,6 +54,7 @@ def pretrain(
     layout = build_layout(args, device)
     set_tensor_parallel(layout.tp)  # model providers read them (get_tensor_parallel, get_context_parallel),
     set_context_parallel(layout.cp)  # as they read Megatron's parallel_state
+    set_expert_parallel(layout.ep)
     backend = build_backend(args, model_provider, device, layout)
     optimizer = backend.wrap_optimizer(build_adamw(args, backend.model))
     scheduler = OptimizerParamScheduler(

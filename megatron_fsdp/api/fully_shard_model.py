@@ -202,6 +202,11 @@ def fully_shard_model(
         fsdp_unit_modules: classes or ``"import.path.Class"`` strings.
         device_mesh, dp_shard_dim, dp_outer_dim: the mesh (default: all ranks)
             and the names of its sharding and (HSDP) replicating dimensions.
+        expt_device_mesh: expert parallelism: the expert modules (``expert_modules``:
+            the outermost modules whose parameters all carry ``allreduce = False``)
+            become units of their own, sharded over this mesh's ``dp_shard_cp`` or
+            ``dp_shard`` dimension (a 1-D mesh: all of it), their gradients averaged
+            over the dense data-parallel size (docs/moe.md).
         zero_dp_strategy: 0-3 or ``"no_shard"``/``"optim"``/``"optim_grads"``/``"optim_grads_params"``.
         outer_dp_sharding_strategy: HSDP across ``dp_outer``: 0/``"no_shard"``.
         grad_reduce_in_fp32, preserve_fp32_weights: the precision (see
@@ -230,12 +235,8 @@ def fully_shard_model(
         _check_flag(name, value)
         if value and name in _REJECTED:
             raise NotImplementedError(f"fully_shard_model({name}=True): {_REJECTED[name]}")
-    if expt_device_mesh is not None:
-        raise NotImplementedError(
-            "fully_shard_model(expt_device_mesh=...): expert-parallel sharding (expert parameters sharded over a "
-            "separate expert data-parallel mesh) is not implemented; pass expt_device_mesh=None (expert modules are "
-            "then sharded like the others over device_mesh, which is only right without expert parallelism)"
-        )
+    if expt_device_mesh is not None and not isinstance(expt_device_mesh, DeviceMesh):
+        raise TypeError(f"expt_device_mesh must be a DeviceMesh (or None), got {type(expt_device_mesh).__name__}")
     if average_in_collective and calculate_per_token_loss:
         raise ValueError(
             "average_in_collective=True and calculate_per_token_loss=True contradict each other (average vs sum)"
@@ -266,8 +267,20 @@ def fully_shard_model(
         outer_sharding_strategy=_OUTER_STRATEGIES[outer_dp_sharding_strategy], mp_policy=mp_policy,
         device=device,  # its index too ("cuda:1"), not only the current device
     )
+    if expt_device_mesh is not None:  # expert units first: they sit inside the dense units
+        expert_kwargs = _expert_shard_kwargs(expt_device_mesh, dp_mesh.size, shard_kwargs)
+        experts = expert_modules(module)
+        if not experts:
+            raise ValueError(
+                "fully_shard_model(expt_device_mesh=...): no module's parameters are all expert parameters (marked "
+                "with Megatron's attribute param.allreduce = False); mark the experts' parameters, or pass "
+                "expt_device_mesh=None"
+            )
+        for sub in experts:
+            shard_module(sub, **expert_kwargs)
     for sub in _modules_to_shard(module, classes, enable_fine_grained_param_gather):
-        shard_module(sub, **shard_kwargs)
+        if not isinstance(sub, FSDPModule):
+            shard_module(sub, **shard_kwargs)
     root = shard_module(module, **shard_kwargs)
     if not isinstance(root, FSDPModule):
         raise ValueError(
@@ -278,6 +291,53 @@ def fully_shard_model(
         materialize_meta(root)  # now, so a checkpoint loaded before the first forward is not overwritten
     return MegatronFSDP(root, sync_model_each_microbatch=sync_model_each_microbatch,
                         check_for_nan_in_grad=check_for_nan_in_grad)
+
+
+def expert_modules(root: nn.Module) -> list[nn.Module]:
+    """The outermost modules (not containers) all of whose parameters are expert parameters.
+
+    Expert parameters carry Megatron's ``allreduce = False``. Containers without a
+    forward (``ModuleList``, ``ModuleDict``) are looked into, never chosen.
+    """
+    chosen: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        params = list(module.parameters())
+        container = isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        if params and not container and all(not getattr(p, "allreduce", True) for p in params):
+            chosen.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    for child in root.children():
+        visit(child)
+    return chosen
+
+
+def _expert_shard_kwargs(expt_device_mesh: DeviceMesh, dense_dp_size: int, dense: dict[str, Any]) -> dict[str, Any]:
+    """``shard_module`` arguments of expert units: the expert data-parallel dimension of ``expt_device_mesh``.
+
+    Expert gradients are averaged over the dense data-parallel size, as Megatron's
+    (each expert already summed its EP group's tokens in backward); sums stay sums.
+    """
+    names = _names(expt_device_mesh)
+    dims = [d for d in ("dp_shard_cp", "dp_shard") if d in names or _is_flattened(expt_device_mesh, d)]
+    if expt_device_mesh.ndim > 1 and not dims:
+        raise ValueError(
+            f"expt_device_mesh has dimensions {names}: name its expert data-parallel dimension 'dp_shard_cp' (as "
+            "Megatron-FSDP's) or 'dp_shard', or pass a 1-D mesh of the expert data-parallel ranks"
+        )
+    if "tp" in names and expt_device_mesh.size(names.index("tp")) > 1:
+        raise NotImplementedError(
+            "expt_device_mesh has a 'tp' dimension of size > 1: expert tensor parallelism is not implemented; "
+            "give the expert mesh a 'tp' dimension of size 1 (or none)"
+        )
+    kwargs = dict(dense, mesh=expt_device_mesh, dp_shard_dim=dims[0] if dims else None, dp_outer_dim=None,
+                  outer_sharding_strategy="no_shard")
+    if dense["gradient_scaling"] == "mean":
+        kwargs["gradient_scaling"] = 1.0 / dense_dp_size
+    return kwargs
 
 
 _FLAG_OPTIONS = {

@@ -105,6 +105,7 @@ class FullyShardedDataParallel(TransparentWrapper, _BASE):
         device: torch.device | None = None,
         pg_collection: Any = None,
         device_mesh: DeviceMesh | None = None,
+        expt_device_mesh: DeviceMesh | None = None,
     ) -> None:
         if _BASE is nn.Module:
             super().__init__()
@@ -136,6 +137,7 @@ class FullyShardedDataParallel(TransparentWrapper, _BASE):
             dp_shard_dim=_shard_dim(mesh),
             dp_outer_dim="dp_outer" if hsdp else None,
             tp_dim="tp" if "tp" in (mesh.mesh_dim_names or ()) else None,
+            expt_device_mesh=expt_device_mesh,
             zero_dp_strategy=ddp_config.data_parallel_sharding_strategy,
             outer_dp_sharding_strategy=getattr(ddp_config, "outer_dp_sharding_strategy", "no_shard"),
             init_model_with_meta_device=bool(getattr(config, "init_model_with_meta_device", False)),

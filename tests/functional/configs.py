@@ -23,6 +23,7 @@ COMMON = (
     "--make-vocab-size-divisible-by 16 --seed 42"
 ).split()
 
+MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01".split()
 FSDP = "--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy".split()
 
 
@@ -107,6 +108,10 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     _cfg("tp2_cp2_sp_optim_grads_params_4", 4, " ".join([*FSDP, "optim_grads_params", "--context-parallel-size 2",
                                                           "--tensor-model-parallel-size 2", "--sequence-parallel"]),
          baseline="optim_grads_params"),
+    # Mixture of Experts (4 experts, top-2, aux loss): EP2 x EDP2 (experts their own units over EDP) matches EP1.
+    _cfg("moe_ep1_4", 4, " ".join([*FSDP, "optim_grads_params", *MOE])),
+    _cfg("moe_ep2_4", 4, " ".join([*FSDP, "optim_grads_params", *MOE, "--expert-model-parallel-size 2"]),
+         baseline="moe_ep1_4"),
     # The 2-rank ZeRO-3 checkpoint resumed with CP2 x DP2: the 2-rank run's curve continues.
     _cfg("resume_cp2_4_from_2", 4, " ".join([*FSDP, "optim_grads_params", "--context-parallel-size 2",
                                               "--load {ckpt2}"]), baseline="optim_grads_params", first=9),

@@ -601,7 +601,8 @@ def bad_input_errors() -> None:
     expect_error(TypeError, "valid options:", fully_shard_model, Net(), zero_dp_stratgy=3)
     expect_error(ValueError, "tp_dim='tp'", fully_shard_model, Net(), tp_dim="tp")
     expect_error(NotImplementedError, "nccl_ub", fully_shard_model, Net(), nccl_ub=True)
-    expect_error(NotImplementedError, "expert-parallel", fully_shard_model, Net(), expt_device_mesh=object())
+    expect_error(TypeError, "expt_device_mesh must be a DeviceMesh", fully_shard_model, Net(),
+                 expt_device_mesh=object())
     expect_error(ValueError, "outer_dp_sharding_strategy=2", fully_shard_model, Net(), outer_dp_sharding_strategy=2)
     expect_error(ValueError, "zero_dp_strategy=5", fully_shard_model, Net(), zero_dp_strategy=5)
     expect_error(ValueError, "hybrid_fsdp_group is only for HSDP", fully_shard_model, Net(),

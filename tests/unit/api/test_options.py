@@ -68,8 +68,8 @@ def test_rejected_options_off_are_not_an_error_before_the_mesh() -> None:
         fully_shard_model(nn.Linear(2, 2), **{name: False for name in _REJECTED})
 
 
-def test_expert_mesh_is_rejected_with_reason() -> None:
-    with pytest.raises(NotImplementedError, match="expert-parallel sharding"):
+def test_expert_mesh_must_be_a_mesh() -> None:
+    with pytest.raises(TypeError, match="expt_device_mesh must be a DeviceMesh"):
         fully_shard_model(nn.Linear(2, 2), expt_device_mesh=object())
 
 

@@ -1,0 +1,72 @@
+"""Mixture-of-Experts flags (Megatron-LM's names) and their validation.
+
+``--num-experts E`` replaces every layer's MLP with an MoE layer of ``E`` experts
+(``megatron_fsdp.parallel.moe``); ``--expert-model-parallel-size P`` spreads them over
+``P`` ranks (Megatron's layout: consecutive ranks form an EP group), each expert sharded
+over the ``world / P`` ranks of its expert data-parallel group. docs/moe.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def add_moe_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: no MoE)")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="ranks the experts are spread over (consecutive ranks form an expert-parallel group)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size; default: "
+                   "--ffn-hidden-size")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                   help="weight of the load-balancing auxiliary loss (0: none)")
+    g.add_argument("--moe-token-dispatcher-type", choices=("alltoall",), default="alltoall",
+                   help="tokens move to their experts by all-to-all over the expert-parallel group")
+
+
+def validate_moe_args(args: argparse.Namespace, world_size: int, fail: Callable[[str], None]) -> None:
+    """Reject what MoE cannot do here, naming the flags; derive ``expert_data_parallel_size``."""
+    ep = args.expert_model_parallel_size
+    if args.num_experts is None:
+        if ep != 1:
+            fail(f"--expert-model-parallel-size {ep} needs --num-experts (there are no experts to spread)")
+        args.expert_data_parallel_size = world_size
+        return
+    experts, topk = args.num_experts, args.moe_router_topk
+    if experts < 1:
+        fail(f"--num-experts must be positive, got {experts}")
+    if not 1 <= topk <= experts:
+        fail(f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts})")
+    if ep < 1 or world_size % ep:
+        fail(f"--expert-model-parallel-size ({ep}) must be >= 1 and divide the world size ({world_size})")
+    if experts % ep:
+        fail(f"--num-experts ({experts}) must be divisible by --expert-model-parallel-size ({ep})")
+    if args.moe_ffn_hidden_size is not None and args.moe_ffn_hidden_size <= 0:
+        fail(f"--moe-ffn-hidden-size must be positive, got {args.moe_ffn_hidden_size}")
+    if not (math.isfinite(args.moe_aux_loss_coeff) and args.moe_aux_loss_coeff >= 0):
+        fail(f"--moe-aux-loss-coeff must be a finite number >= 0, got {args.moe_aux_loss_coeff}")
+    unsupported = (
+        (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1 (expert tensor parallelism is not "
+         "built)"),
+        (args.context_parallel_size > 1, "--context-parallel-size > 1"),
+        (args.model_provider == "mcore", "--model-provider mcore (use --model-provider gpt)"),
+        (args.calculate_per_token_loss, "--calculate-per-token-loss (the auxiliary loss is scaled per micro-batch)"),
+    )
+    for bad, what in unsupported:
+        if bad:
+            fail(f"--num-experts with {what} is not supported")
+    if ep > 1:
+        if not args.use_megatron_fsdp:
+            fail("--expert-model-parallel-size > 1 needs --use-megatron-fsdp: DDP would average different experts "
+                 "across the expert-parallel ranks")
+        if args.num_distributed_optimizer_instances > 1:
+            fail("--expert-model-parallel-size > 1 with --num-distributed-optimizer-instances > 1 (HSDP) is not "
+                 "supported yet; use one instance")
+        if args.save or args.load:
+            fail("--save/--load with --expert-model-parallel-size > 1 is not supported yet: checkpoints do not record "
+                 "which experts each expert-parallel rank holds, so a save would keep one EP rank's experts under "
+                 "each name. Train without --save/--load, or with --expert-model-parallel-size 1")
+    args.expert_data_parallel_size = world_size // ep

@@ -1,0 +1,218 @@
+"""Mixture-of-Experts with expert parallelism on the FSDP engine, against EP1 and one process.
+
+A small MoE network (dense input and output layers, blocks of norm + ``MoELayer``) is
+trained for several AdamW steps three ways from one seed:
+
+- ``reference``: one process, every expert local, every rank's batch run in turn
+  (loss: the mean of the ranks' losses, as data parallelism averages them);
+- ``EP1``: every rank holds every expert; experts sharded (ZeRO-3) over all ranks;
+- ``EP2``: ranks ``[0, 1]`` and ``[2, 3]`` are the EP groups (Megatron's layout), each
+  rank holds half the experts, sharded over its expert data-parallel group
+  (``{0, 2}`` or ``{1, 3}``); dense parameters sharded over all four ranks.
+
+Batches differ per rank and per step; one step has a single token per rank, so
+some local experts get no token on some rank (they run on an empty batch, their
+gradient there is zero) while the same expert gets tokens on its EDP peer: the
+check asserts this happened.
+fp32; tolerance 1e-5 relative to the largest value.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from megatron_fsdp import fully_shard
+from megatron_fsdp.api.fully_shard_model import expert_modules, fully_shard_model
+from megatron_fsdp.optim.grad_norm import get_grad_norm
+from megatron_fsdp.optim.optimizer import fully_shard_optimizer
+from megatron_fsdp.parallel.expert_dispatch import ExpertParallel, combine, dispatch
+from megatron_fsdp.parallel.moe import MoELayer, expert_parameters
+from tests.distributed.harness import check
+
+SUITE = "moe"
+RTOL = 1e-5
+HIDDEN, EXPERTS, TOPK, FFN, LAYERS = 8, 8, 2, 12, 2
+STEPS = 6
+EMPTY_STEP = 3  # one token per rank: most experts get none somewhere
+
+
+class Block(nn.Module):
+    def __init__(self, ep: ExpertParallel, layer: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.moe = MoELayer(HIDDEN, EXPERTS, TOPK, FFN, std=0.5, output_std=0.3, aux_loss_coeff=0.01,
+                            layer_number=layer, ep=ep)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.norm(x))
+
+
+class MoENet(nn.Module):
+    def __init__(self, ep: ExpertParallel) -> None:
+        super().__init__()
+        self.inp = nn.Linear(HIDDEN, HIDDEN)
+        self.blocks = nn.ModuleList(Block(ep, i) for i in range(LAYERS))
+        self.out = nn.Linear(HIDDEN, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank- and step-dependent batches ``[1, tokens, hidden]`` (one token on ``EMPTY_STEP``)."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    tokens = 1 if step == EMPTY_STEP else 3 + (rank + step) % 4
+    return torch.randn(1, tokens, HIDDEN, generator=g), torch.randn(1, tokens, 1, generator=g)
+
+
+def _set_aux_scale(model: nn.Module, scale: float) -> None:
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.aux_loss_scale = scale
+
+
+def _reference(world: int) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """One process: losses per step, final weights, the last step's gradient norm."""
+    torch.manual_seed(1234)
+    model = MoENet(ExpertParallel.single())
+    _set_aux_scale(model, 1.0 / world)  # each rank's auxiliary loss, averaged over ranks like its lm loss
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses, norm = [], 0.0
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for rank in range(world):
+            x, y = _batch(step, rank)
+            loss = F.mse_loss(model(x), y) / world
+            loss.backward()
+            total += loss.item()
+        norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters() if p.grad is not None)).item()
+        optimizer.step()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norm
+
+
+def _meshes(ep_size: int):
+    world = dist.get_world_size()
+    dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    experts = init_device_mesh("cpu", (world // ep_size, ep_size), mesh_dim_names=("dp_shard", "ep"))
+    ep = ExpertParallel.from_group(experts.get_group("ep")) if ep_size > 1 else ExpertParallel.single()
+    return dense, experts, ep
+
+
+def _build(ep_size: int, whole_model: bool):
+    dense, experts, ep = _meshes(ep_size)
+    torch.manual_seed(1234)
+    model = MoENet(ep)
+    if whole_model:
+        wrapped = fully_shard_model(model, fsdp_unit_modules=[Block], device_mesh=dense, expt_device_mesh=experts,
+                                    dp_shard_dim="dp_shard", preserve_fp32_weights=False)
+        module = wrapped.module
+    else:
+        for expert in expert_modules(model):
+            fully_shard(expert, mesh=experts["dp_shard"], gradient_scaling=1.0 / dist.get_world_size())
+        for block in model.blocks:
+            fully_shard(block, mesh=dense)
+        module = fully_shard(model, mesh=dense)
+    optimizer = fully_shard_optimizer(torch.optim.AdamW(module.parameters(), lr=0.01))
+    return module, optimizer, ep
+
+
+def _global_grad_norm(model: nn.Module, ep: ExpertParallel) -> float:
+    """Each parameter once: dense shards over the dense group, expert shards over EDP and then EP."""
+    expert = {id(p) for p in expert_parameters(model)}
+    dense = [p for p in model.parameters() if id(p) not in expert]
+    experts = [p for p in model.parameters() if id(p) in expert]
+    dense_sq = get_grad_norm(dense) ** 2
+    expert_sq = get_grad_norm(experts, model_parallel_group=ep.group if ep.size > 1 else None) ** 2
+    return float((dense_sq + expert_sq).sqrt())
+
+
+def _train(ep_size: int, whole_model: bool) -> tuple[list[float], nn.Module, float, bool, ExpertParallel]:
+    model, optimizer, ep = _build(ep_size, whole_model)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    losses, norm, skipped = [], 0.0, False
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        x, y = _batch(step, rank)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        for module in model.modules():
+            if isinstance(module, MoELayer):
+                local = module.ep.local_experts(EXPERTS)
+                received = module.last_rows_per_local_expert
+                skipped |= step == EMPTY_STEP and any(n == 0 for n in received) and len(local) > 0
+                assert len(received) == len(local)
+        total = loss.detach().clone() / world
+        dist.all_reduce(total)
+        losses.append(total.item())
+        norm = _global_grad_norm(model, ep)
+        optimizer.step()
+    return losses, model, norm, skipped, ep
+
+
+def _full_weights(model: nn.Module, ep: ExpertParallel) -> dict[str, torch.Tensor]:
+    """Every weight in full, experts under their global names (gathered over EDP, then across EP)."""
+    out = {}
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+        if ".local_experts." in name:
+            prefix, rest = name.split(".local_experts.")
+            local, attr = rest.split(".", 1)
+            pieces = [torch.empty_like(full) for _ in range(ep.size)]
+            if ep.size > 1:
+                dist.all_gather(pieces, full.contiguous(), group=ep.group)
+            else:
+                pieces = [full]
+            per_rank = EXPERTS // ep.size
+            for r, piece in enumerate(pieces):
+                out[f"{prefix}.local_experts.{r * per_rank + int(local)}.{attr}"] = piece
+        else:
+            out[name] = full
+    return out
+
+
+def _close(actual: torch.Tensor | float, expected: torch.Tensor | float, what: str) -> None:
+    actual, expected = torch.as_tensor(actual), torch.as_tensor(expected)
+    scale = expected.abs().max().clamp(min=1e-12)
+    error = ((actual - expected).abs().max() / scale).item()
+    assert error <= RTOL, f"{what}: max relative difference {error:.3g} > {RTOL}"
+
+
+@check(SUITE, world_sizes=(4,), params={"ep": [1, 2], "api": ["per_module", "whole_model"]})
+def parity(ep: int, api: str) -> None:
+    """EP1 and EP2 under ZeRO-3 match one process over several steps, an empty-expert step included."""
+    ref_losses, ref_weights, ref_norm = _reference(dist.get_world_size())
+    losses, model, norm, skipped, group = _train(ep, api == "whole_model")
+    flags = torch.tensor([int(skipped)])
+    dist.all_reduce(flags)
+    assert flags.item() > 0, "no rank had a local expert without tokens on the empty-expert step"
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        _close(a, b, f"loss at step {step}")
+    _close(norm, ref_norm, "gradient norm of the last step")
+    weights = _full_weights(model, group)
+    assert set(weights) == set(ref_weights), sorted(set(weights) ^ set(ref_weights))
+    for name, expected in ref_weights.items():
+        _close(weights[name], expected, f"weight {name} after {STEPS} steps")
+
+
+@check(SUITE, world_sizes=(4,))
+def dispatch_round_trip() -> None:
+    """Dispatch then combine with identity experts returns each token times the sum of its k probabilities."""
+    ep = ExpertParallel.from_group(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep")).get_group("ep"))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(5, HIDDEN, generator=g, requires_grad=True)
+    indices = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(5)])
+    probs = torch.rand(5, TOPK, generator=g)
+    grouped, plan = dispatch(x, indices, EXPERTS, ep)
+    out = combine(grouped * 2.0, probs, plan, ep, 5)
+    _close(out.detach(), x.detach() * 2.0 * probs.sum(1, keepdim=True), "round trip")
+    out.sum().backward()
+    _close(x.grad, (2.0 * probs.sum(1, keepdim=True)).expand(5, HIDDEN), "gradient of the round trip")
