@@ -5,6 +5,9 @@ Run (2 CPU ranks):
     torchrun --nproc-per-node 2 benchmarks/profile_step.py --impl megatron_fsdp --steps 3
     torchrun --nproc-per-node 2 benchmarks/profile_step.py --impl fsdp2 --steps 3
 
+``--impl megatron_fsdp`` is per-module ``fully_shard`` with a plain AdamW, ``megatron_fsdp_model``
+the whole-model API with ``fully_shard_optimizer`` (see compare.py).
+
 Builds the same GPT as ``compare.py``, runs warm-up steps, then profiles ``--steps`` steps
 on every rank and prints rank 0's operators sorted by self CPU time, plus the total time
 inside megatron_fsdp's named ranges (``megatron_fsdp.unshard.wait`` is time the step
@@ -32,7 +35,7 @@ from megatron_fsdp.memory.allocator import pool_stats  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--impl", default="megatron_fsdp", choices=("megatron_fsdp", "fsdp2", "ddp"))
+    p.add_argument("--impl", default="megatron_fsdp", choices=("megatron_fsdp", "megatron_fsdp_model", "fsdp2", "ddp"))
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)
@@ -47,7 +50,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    impl = build(args.impl, GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq), torch.device("cpu"))
+    options = argparse.Namespace(pool="keep", gloo_paths="on", reduces_in_flight=None, local_step="on")
+    model = GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq)
+    impl = build(args.impl, model, torch.device("cpu"), options)
     generator = torch.Generator().manual_seed(1 + rank)
 
     def step() -> None:
@@ -74,7 +79,7 @@ def main() -> None:
                 e = ranges[name]
                 print(f"{name:32s} calls {e.count // args.steps:4d}/step  "
                       f"total {e.cpu_time_total / 1e3 / args.steps:8.1f} ms/step")
-        if args.impl == "megatron_fsdp":
+        if args.impl.startswith("megatron_fsdp"):
             print(pool_stats())
     dist.destroy_process_group()
 

@@ -149,6 +149,18 @@ class BufferPool:
         self.reserved_bytes -= freed
         return freed
 
+    def end_of_forward(self) -> None:
+        """Called when a root's forward that a backward will follow is over: give back the free slabs.
+
+        A training step's memory peaks right after the forward, while every activation is
+        alive and the loss's gradient (and the root's weight gradients) are made; the slabs
+        the forward's units gave back sit idle then, so holding them would put the pool's
+        size on top of that peak. The backward's gathers allocate them again (on CPU: page
+        faults of one or two units' weights per step); the forward reuses what the
+        backward gave back.
+        """
+        self.trim()
+
     def end_of_backward(self) -> None:
         """Called once a backward that an optimizer step may follow is over (see ``keep_between_steps``)."""
         if not self.keep_between_steps:

@@ -114,14 +114,30 @@ def profiler_sees_named_ranges() -> None:
 
 
 @check(SUITE, world_sizes=(2,))
-def pool_stops_allocating_after_warmup() -> None:
+def pool_reuses_slabs_and_frees_idle_ones_after_forward() -> None:
+    """After warm-up a forward allocates nothing; the forward's end gives the idle slabs back.
+
+    The backward then takes at most the slabs of the unit it computes and the one it
+    prefetches (1 + prefetch depth), the same number every step.
+    """
     pool = default_pool()
     model = sharded_stack(POOLED)
     train_steps(model, 2)
     warm = pool.stats()
-    train_steps(model, 3)
+    new_slabs = []
+    for step in range(3):
+        before = pool.stats()
+        x = torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(100 + step))
+        loss = model(x).square().mean()
+        after_forward = pool.stats()
+        assert after_forward.allocations == before.allocations, (before, after_forward)
+        assert after_forward.reserved_bytes == after_forward.lent_bytes == 0, after_forward  # root holds no weights
+        loss.backward()
+        new_slabs.append(pool.stats().allocations - after_forward.allocations)
+        model.zero_grad()
+    depth = max(unit.prefetch_depth for unit in units_of(model))
+    assert len(set(new_slabs)) == 1 and 1 <= new_slabs[0] <= 1 + depth, new_slabs
     after = pool.stats()
-    assert after.allocations == warm.allocations, (warm, after)
     assert after.reuses > warm.reuses, (warm, after)
     assert after.lent_bytes == 0, after  # every gathered weight and gradient buffer came back
     largest = max(unit_bytes(model))
