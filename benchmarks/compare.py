@@ -342,9 +342,9 @@ def main() -> None:
         for impl in impls:
             impl.peaks = memory[impl.name]["peaks"]
     report(impls, args, n_params, world, rank, device, load)
-    for impl in impls:
-        if impl.name in OURS:
-            report_memory_floor(impl, activations, rank, impls)
+    ours = [impl for impl in impls if impl.name in OURS]
+    if ours:  # both of our paths build the same units: one floor
+        report_memory_floor(ours[0], activations, rank, impls)
     dist.destroy_process_group()
 
 
@@ -403,7 +403,7 @@ def report_memory_floor(impl: Impl, activations: int, rank: int, impls: list[Imp
     if rank != 0:
         return
     mib = 2**20
-    print(f"\n{impl.name} memory floor (rank 0, MiB): sharded state {impl.sharded_state / mib:.1f} "
+    print(f"\nmemory floor (rank 0, MiB; units of {impl.name}): sharded state {impl.sharded_state / mib:.1f} "
           f"+ (1 + {depth}) x largest unit {unit / mib:.1f} + activations {activations / mib:.1f} "
           f"= {floor / mib:.1f}; measured peak / floor: "
           + ", ".join(f"{i.name} {max(i.peaks) / floor:.3f}" for i in impls))
