@@ -189,8 +189,9 @@ class BufferPool:
 # checking (python -m tests.soak: libc_malloc_debug.so.0, MALLOC_CHECK_=3), 50 with the
 # pool on and 50 off, gave 0 crashes and 0 failures (docs/performance.md); on 2 gloo
 # ranks the pool takes the benchmark from 0.79x to 0.72-0.74x FSDP2's step time for
-# 12.6 MiB more peak. Whether a root uses it is its ``EngineOptions.buffer_pool``
-# (core/options.py); a root with the pool off gets ``unpooled()``.
+# 12.6 MiB more peak (measured with the mmap threshold forced down, 2026-11-22; since
+# end_of_forward frees idle slabs, the peak is the pool-off one). Whether a root uses it
+# is its ``EngineOptions.buffer_pool`` (core/options.py); a root with the pool off gets ``unpooled()``.
 _default_pool = BufferPool()
 _unpooled = BufferPool(enabled=False)
 
