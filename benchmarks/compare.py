@@ -4,32 +4,47 @@ Run (2 CPU ranks; on a GPU machine the same command uses CUDA/NCCL):
 
     torchrun --nproc-per-node 2 benchmarks/compare.py --layers 6 --hidden 384 --seq 128 --batch 4
 
-All implementations train the same GPT (examples/train_fully_shard.py) from the same
-weights on the same batches in one process group; their timed steps are interleaved
-(the order rotates every step) so machine drift hits all alike.
+Implementations (``--impls``), all training the same GPT (examples/train_fully_shard.py)
+from the same weights on the same batches in one process group:
 
-Memory: on CUDA, ``torch.cuda.max_memory_allocated`` over each implementation's step.
-On CPU, persistent state (parameters, gradients, optimizer state held by that
-implementation, counted exactly from its tensors) plus the transient peak of its step,
-read from the kernel's peak-RSS counter (``VmHWM``, reset through
-``/proc/self/clear_refs``) with glibc's mmap threshold fixed at 64 KiB, so that every
-freed tensor is returned to the kernel at once and caching does not hide or inflate it.
+- ``megatron_fsdp``: per-module ``fully_shard`` (every block, then the root) with a plain
+  ``torch.optim.AdamW`` stepping the DTensor parameters (what an FSDP2 user writes);
+- ``megatron_fsdp_model``: the whole-model API, ``fully_shard_model(fsdp_unit_modules=[Block])``
+  with ``fully_shard_optimizer(AdamW)`` (what a Megatron user writes);
+- ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block, then the root;
+- ``ddp``: ``DistributedDataParallel``.
+
+Two passes, one process:
+
+1. **Time**, under the process's default allocator (what users run with): ``--repeats``
+   rounds of ``--steps`` steps each; within a round the implementations' steps are
+   interleaved (the order rotates every step) so machine drift hits all alike. Each
+   round gives every implementation a median step time and so a ratio against FSDP2 and
+   DDP measured in that round; the report gives the median ratio over the rounds and its
+   range (min-max).
+2. **Memory**, with instrumentation, timing nothing. On CUDA, ``torch.cuda.max_memory_allocated``
+   over a step, after the timing pass. On CPU, each rank first runs the memory pass in a
+   child process started with glibc's mmap threshold fixed at 64 KiB
+   (``MALLOC_MMAP_THRESHOLD_``, which only takes full effect from process start: set
+   later with ``mallopt``, large requests are still served from heap chunks the timing
+   pass freed, and fragmentation inflates the peak), so that every freed tensor leaves
+   the resident set at once. A step's peak is the persistent state held by that
+   implementation (parameters, gradients, optimizer state counted exactly from its
+   tensors, plus megatron_fsdp's buffer pool) plus the growth of the kernel's peak-RSS
+   counter (``VmHWM``, reset through ``/proc/self/clear_refs``) during the step. The
+   children meet through a file store; their peaks come back in a JSON file.
 
 Bytes: megatron_fsdp counts its own collectives (``comm_stats``); FSDP2's are counted by
 wrapping ``torch.distributed``'s flat collectives in this process (measurement only);
 DDP's C++ reducer cannot be wrapped, so its figure is the size of its gradient
 all-reduce payload.
 
-megatron_fsdp keeps freed unsharded weights and gradient buffers in a pool
-(``megatron_fsdp.memory.allocator``); that memory is resident between steps, so its size is
-counted as persistent state. The pool size is printed.
-
-Memory model (printed for megatron_fsdp beside the measurement), per rank:
+Memory floor (analytic, printed beside the measurement), per rank:
 
     sharded persistent state + (1 + prefetch depth) x largest unsharded unit + activations
 
 - sharded persistent state: bytes of this rank's parameter shards, optimizer state and
-  sharded gradients, counted from the tensors after a step (before ``zero_grad``);
+  sharded gradients, counted from megatron_fsdp's tensors after a step (before ``zero_grad``);
 - largest unsharded unit: the largest unit's gathered parameters (sum over its groups
   of the flat buffer's numel x compute element size);
 - activations: bytes autograd saves for backward in one forward of the unwrapped
@@ -42,15 +57,14 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
-
-if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # must be set before the allocator starts
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)
-    os.execv(sys.executable, [sys.executable, *sys.argv])
 
 import torch
 import torch.distributed as dist
@@ -58,12 +72,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from train_fully_shard import GPT  # noqa: E402
+from train_fully_shard import GPT, Block  # noqa: E402
 
 import megatron_fsdp  # noqa: E402
+from megatron_fsdp.core.lookup import units_of  # noqa: E402
 from megatron_fsdp.memory.allocator import default_pool, pool_stats  # noqa: E402
 
+IMPLS = ("megatron_fsdp", "megatron_fsdp_model", "fsdp2", "ddp")
+OURS = ("megatron_fsdp", "megatron_fsdp_model")
 FLAT_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor")
+MMAP_THRESHOLD = str(1 << 16)
 fsdp2_bytes: Counter = Counter()
 
 
@@ -91,20 +109,27 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="per rank")
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per implementation")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per implementation in each round")
+    p.add_argument("--repeats", type=int, default=5, help="timing rounds (the spread is over these)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--impls", default="megatron_fsdp,fsdp2,ddp")
+    p.add_argument("--memory-steps", type=int, default=2, help="steps per implementation in the memory pass")
+    p.add_argument("--memory-out", default=None, help=argparse.SUPPRESS)  # set for the CPU memory-pass child
+    p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--pool", choices=("keep", "release", "off"), default="keep",
                    help="megatron_fsdp's buffer pool: keep its memory between steps (the library's default), "
                         "release it after backward, or off (plain allocations, EngineOptions(buffer_pool=False))")
     p.add_argument("--local-step", choices=("on", "off"), default="on",
-                   help="megatron_fsdp's fully_shard_optimizer(step_on_local_shards=...), on by default")
+                   help="megatron_fsdp_model's fully_shard_optimizer(step_on_local_shards=...), on by default")
     p.add_argument("--reduces-in-flight", type=int, default=None,
                    help="megatron_fsdp's limit on gradient reductions in flight (EngineOptions.max_reduces_in_flight)")
     p.add_argument("--gloo-paths", choices=("on", "off"), default="on",
                    help="megatron_fsdp's gloo fast paths (EngineOptions.gloo_fast_paths, on by default): "
                         "off measures plain all-gather/reduce-scatter")
-    return p.parse_args()
+    args = p.parse_args()
+    unknown = [n for n in args.impls.split(",") if n not in IMPLS]
+    if unknown:
+        p.error(f"--impls: unknown implementation(s) {unknown}; choose from {', '.join(IMPLS)}")
+    return args
 
 
 def peak_rss_reset() -> None:
@@ -130,28 +155,57 @@ def tensor_bytes(tensors) -> int:
 
 
 class Impl:
-    def __init__(self, name: str, model: nn.Module, device: torch.device, local_step: bool = True) -> None:
-        self.name, self.model, self.device = name, model, device
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        if name == "megatron_fsdp":  # the library's optimizer wrapper, as its docs recommend
-            self.optimizer = megatron_fsdp.fully_shard_optimizer(self.optimizer, step_on_local_shards=local_step)
-        self.times: list[float] = []
+    """One implementation's model and optimizer, and its measurements."""
+
+    def __init__(self, name: str, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.name, self.model, self.optimizer, self.device = name, model, optimizer, device
+        self.rounds: list[list[float]] = []  # step times, one list per timing round
         self.peaks: list[int] = []
         self.bytes: list[int] = []
         self.losses: list[float] = []
-        self.sharded_state = 0  # params + optimizer state + grads after a step (megatron_fsdp)
+        self.sharded_state = 0  # params + optimizer state + grads after a step (ours)
 
     def persistent_bytes(self) -> int:
         params = list(self.model.parameters())
         state = [v for s in self.optimizer.state.values() for v in s.values()]
         grads = [p.grad for p in params if p.grad is not None]
-        pool = pool_stats().reserved_bytes if self.name == "megatron_fsdp" else 0
+        pool = pool_stats().reserved_bytes if self.name in OURS else 0
         return tensor_bytes(params) + tensor_bytes(state) + tensor_bytes(grads) + pool
 
-    def step(self, tokens: torch.Tensor, record: bool) -> None:
+    def train_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        self.optimizer.step()
+        if self.name in OURS:
+            self.sharded_state = self.persistent_bytes() - pool_stats().reserved_bytes
+        self.optimizer.zero_grad()
+        return loss
+
+    def timed_step(self, tokens: torch.Tensor, record: bool) -> None:
         cuda = self.device.type == "cuda"
         megatron_fsdp.comm_stats.reset()
         fsdp2_bytes.clear()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = self.train_step(tokens)
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if not record:
+            return
+        self.rounds[-1].append(elapsed)
+        self.losses.append(loss.item())
+        if self.name in OURS:
+            self.bytes.append(megatron_fsdp.comm_stats.total_bytes)
+        elif self.name == "fsdp2":
+            self.bytes.append(sum(fsdp2_bytes.values()))
+        else:
+            self.bytes.append(sum(p.numel() * p.element_size() for p in self.model.parameters()))
+
+    def memory_step(self, tokens: torch.Tensor) -> None:
+        cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -159,31 +213,12 @@ class Impl:
             peak_rss_reset()
         base_rss = 0 if cuda else rss_bytes("VmRSS")
         persistent = self.persistent_bytes()
-        start = time.perf_counter()
-        logits = self.model(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        self.optimizer.step()
-        if record and self.name == "megatron_fsdp":
-            self.sharded_state = self.persistent_bytes() - pool_stats().reserved_bytes
-        self.optimizer.zero_grad()
+        self.train_step(tokens)
         if cuda:
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        if not record:
-            return
-        self.times.append(elapsed)
-        self.losses.append(loss.item())
-        if cuda:
             self.peaks.append(torch.cuda.max_memory_allocated())
         else:
             self.peaks.append(persistent + rss_bytes("VmHWM") - base_rss)
-        if self.name == "megatron_fsdp":
-            self.bytes.append(megatron_fsdp.comm_stats.total_bytes)
-        elif self.name == "fsdp2":
-            self.bytes.append(sum(fsdp2_bytes.values()))
-        else:
-            self.bytes.append(sum(p.numel() * p.element_size() for p in self.model.parameters()))
 
 
 def activation_bytes(model: nn.Module, tokens: torch.Tensor) -> int:
@@ -206,114 +241,177 @@ def activation_bytes(model: nn.Module, tokens: torch.Tensor) -> int:
 def largest_unit_bytes(model: nn.Module) -> tuple[int, int]:
     """Bytes of the largest unit's gathered parameters, and the prefetch depth of the units."""
     largest, depth = 0, 1
-    for module in model.modules():
-        unit = getattr(module, "_megatron_fsdp_unit", None)
-        if unit is not None:
-            largest = max(largest, sum(g.layout.total_numel * g.compute_shard.element_size() for g in unit.groups))
-            depth = unit.prefetch_depth
+    for unit in units_of(model):
+        largest = max(largest, sum(g.layout.total_numel * g.compute_shard.element_size() for g in unit.groups))
+        depth = unit.prefetch_depth
     return largest, depth
 
 
-def build(
-    name: str, base: nn.Module, device: torch.device, local_step: bool = True,
-    options: megatron_fsdp.EngineOptions | None = None,
-) -> Impl:
+def build(name: str, base: nn.Module, device: torch.device, args: argparse.Namespace) -> Impl:
+    options = megatron_fsdp.EngineOptions(buffer_pool=args.pool != "off", gloo_fast_paths=args.gloo_paths == "on")
+    if args.reduces_in_flight is not None:
+        options = dataclasses.replace(options, max_reduces_in_flight=args.reduces_in_flight)
     model = copy.deepcopy(base).to(device)
     if name == "megatron_fsdp":
         for block in model.blocks:
             megatron_fsdp.fully_shard(block)
         megatron_fsdp.fully_shard(model, options=options)  # handed down to the blocks' units
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif name == "megatron_fsdp_model":
+        model = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[Block], options=options)
+        optimizer = megatron_fsdp.fully_shard_optimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-4), step_on_local_shards=args.local_step == "on")
     elif name == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-    elif name == "ddp":
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
-        raise ValueError(f"--impls: unknown implementation {name!r}; use megatron_fsdp, fsdp2, ddp")
-    return Impl(name, model, device, local_step)
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return Impl(name, model, optimizer, device)
+
+
+def cpu_memory_pass(argv: list[str]) -> dict:
+    """Run the memory pass in a child of this rank with the mmap threshold fixed; its results."""
+    job = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}_{os.environ['MASTER_PORT']}"
+    rank = int(os.environ["RANK"])
+    out = os.path.join(tempfile.gettempdir(), f"compare_memory_{job}_rank{rank}.json")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD,
+               COMPARE_STORE=os.path.join(tempfile.gettempdir(), f"compare_store_{job}"))
+    subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--memory-out", out], env=env, check=True)
+    with open(out) as f:
+        result = json.load(f)
+    os.remove(out)
+    return result
 
 
 def main() -> None:
     args = parse_args()
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    memory_child = args.memory_out is not None
+    memory = cpu_memory_pass(sys.argv[1:]) if not cuda and not memory_child else None
+    if memory_child:  # ranks meet through a file store: the launcher's store belongs to the parent
+        dist.init_process_group("gloo", init_method=f"file://{os.environ['COMPARE_STORE']}",
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     count_torch_collectives()
     default_pool().keep_between_steps = args.pool == "keep"
-    options = megatron_fsdp.EngineOptions(buffer_pool=args.pool != "off", gloo_fast_paths=args.gloo_paths == "on")
-    if args.reduces_in_flight is not None:
-        options = dataclasses.replace(options, max_reduces_in_flight=args.reduces_in_flight)
     torch.manual_seed(0)
     base = GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq)
     n_params = sum(p.numel() for p in base.parameters())
     generator = torch.Generator().manual_seed(1 + rank)
     sample = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     activations = activation_bytes(copy.deepcopy(base).to(device), sample.to(device))
-    impls = [build(name, base, device, args.local_step == "on", options) for name in args.impls.split(",")]
+    impls = [build(name, base, device, args) for name in args.impls.split(",")]
     del base
-    for step in range(args.warmup + args.steps):
-        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(device)
-        order = impls[step % len(impls):] + impls[: step % len(impls)]
-        for impl in order:
-            impl.step(tokens, record=step >= args.warmup)
-    report(impls, args, n_params, world, rank, device)
-    if "megatron_fsdp" in args.impls.split(","):
-        report_memory_model(next(i for i in impls if i.name == "megatron_fsdp"), activations, rank)
+
+    def batch() -> torch.Tensor:
+        return torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(device)
+
+    if memory_child:
+        run_memory_pass(impls, args, batch)
+        with open(args.memory_out, "w") as f:
+            json.dump({i.name: {"peaks": i.peaks, "sharded_state": i.sharded_state} for i in impls}, f)
+        dist.destroy_process_group()
+        return
+    load = [os.getloadavg()[0]]
+    for _ in range(args.warmup):
+        tokens = batch()
+        for impl in impls:
+            impl.timed_step(tokens, record=False)
+    for _ in range(args.repeats):
+        for impl in impls:
+            impl.rounds.append([])
+        for step in range(args.steps):
+            tokens = batch()
+            for impl in impls[step % len(impls):] + impls[: step % len(impls)]:
+                impl.timed_step(tokens, record=True)
+        load.append(os.getloadavg()[0])
+
+    if memory is None:
+        run_memory_pass(impls, args, batch)
+    else:
+        for impl in impls:
+            impl.peaks = memory[impl.name]["peaks"]
+    report(impls, args, n_params, world, rank, device, load)
+    ours = [impl for impl in impls if impl.name in OURS]
+    if ours:  # both of our paths build the same units: one floor
+        report_memory_floor(ours[0], activations, rank, impls)
     dist.destroy_process_group()
 
 
-def report(impls: list[Impl], args, n_params: int, world: int, rank: int, device: torch.device) -> None:
+def run_memory_pass(impls: list[Impl], args: argparse.Namespace, batch) -> None:
+    """Warm-up steps, then ``--memory-steps`` measured steps of each implementation."""
+    for step in range(args.warmup + args.memory_steps):
+        tokens = batch()
+        for impl in impls:
+            if step < args.warmup:
+                impl.train_step(tokens)
+            else:
+                impl.memory_step(tokens)
+
+
+def ratio_spread(impl: Impl, ref: Impl) -> str:
+    """Median and range over the rounds of (impl's median step time / ref's) in the same round."""
+    ratios = [statistics.median(a) / statistics.median(b) for a, b in zip(impl.rounds, ref.rounds)]
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def report(impls: list[Impl], args, n_params: int, world: int, rank: int, device: torch.device,
+           load: list[float]) -> None:
     by_name = {i.name: i for i in impls}
     zero3_min = 3 * n_params * 4  # two all-gathers of the parameters plus one reduce-scatter, fp32
-    tokens = args.batch * args.seq * world
-    rows = []
-    for impl in impls:
-        t = statistics.median(impl.times)
-        peak = max(impl.peaks)
-        nbytes = statistics.median(impl.bytes)
-        rows.append((impl.name, t, tokens / t, peak, nbytes))
     if rank != 0:
         return
-    ref = next((r for r in rows if r[0] == "fsdp2"), None)
+    fsdp2, ddp = by_name.get("fsdp2"), by_name.get("ddp")
+    mib = 2**20
     print(f"\nGPT {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}/rank, "
-          f"{n_params / 1e6:.2f}M params, fp32, {world} ranks on {device.type}, {args.steps} timed steps\n")
-    print("| impl | step time (ms) | tokens/s | peak mem/rank (MiB) | bytes/step (MiB) | "
-          "time vs FSDP2 | mem vs FSDP2 | bytes vs FSDP2 | bytes vs ZeRO-3 min |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, t, tps, peak, nbytes in rows:
-        rel = (lambda a, b: f"{a / b:.2f}") if ref else (lambda a, b: "-")
-        print(f"| {name} | {t * 1e3:.1f} | {tps:,.0f} | {peak / 2**20:.1f} | {nbytes / 2**20:.2f} | "
-              f"{rel(t, ref[1]) if ref else '-'} | {rel(peak, ref[3]) if ref else '-'} | "
-              f"{rel(nbytes, ref[4]) if ref else '-'} | {nbytes / zero3_min:.3f} |")
-    if "megatron_fsdp" in by_name and "fsdp2" in by_name:
-        a, b = by_name["megatron_fsdp"].losses, by_name["fsdp2"].losses
-        worst = max(abs(x - y) for x, y in zip(a, b))
-        print(f"\nloss agreement megatron_fsdp vs fsdp2 (rank 0): max |diff| {worst:.2e}")
+          f"{n_params / 1e6:.2f}M params, fp32, {world} ranks on {device.type}; {args.repeats} rounds of "
+          f"{args.steps} timed steps; load average {min(load):.1f}-{max(load):.1f}\n")
+    print("| impl | step time (ms), median (range of round medians) | time vs FSDP2 | time vs DDP | "
+          "peak mem/rank (MiB) | mem vs FSDP2 | bytes/step (MiB) | bytes vs ZeRO-3 min |")
+    print("|---|---|---|---|---|---|---|---|")
+    for impl in impls:
+        medians = [statistics.median(r) for r in impl.rounds]
+        all_steps = [t for r in impl.rounds for t in r]
+        peak = max(impl.peaks)
+        nbytes = statistics.median(impl.bytes)
+        print(f"| {impl.name} | {statistics.median(all_steps) * 1e3:.1f} ({min(medians) * 1e3:.1f}-"
+              f"{max(medians) * 1e3:.1f}) | {ratio_spread(impl, fsdp2) if fsdp2 else '-'} | "
+              f"{ratio_spread(impl, ddp) if ddp else '-'} | {peak / mib:.1f} | "
+              f"{f'{peak / max(fsdp2.peaks):.3f}' if fsdp2 else '-'} | {nbytes / mib:.2f} | "
+              f"{nbytes / zero3_min:.3f} |")
+    for name in OURS:
+        if name in by_name and fsdp2 is not None:
+            worst = max(abs(x - y) for x, y in zip(by_name[name].losses, fsdp2.losses))
+            print(f"\nloss agreement {name} vs fsdp2 (rank 0): max |diff| {worst:.2e}")
 
 
-def report_memory_model(impl: Impl, activations: int, rank: int) -> None:
-    """Print the analytic memory model of megatron_fsdp beside its measured peak (rank 0's)."""
+def report_memory_floor(impl: Impl, activations: int, rank: int, impls: list[Impl]) -> None:
+    """Print the analytic memory floor beside the measured peaks (rank 0's)."""
     unit, depth = largest_unit_bytes(impl.model)
-    predicted = impl.sharded_state + (1 + depth) * unit + activations
-    measured = max(impl.peaks)
+    floor = impl.sharded_state + (1 + depth) * unit + activations
     stats = pool_stats()
     if rank != 0:
         return
     mib = 2**20
-    print(f"\nmegatron_fsdp memory model (rank 0, MiB): sharded state {impl.sharded_state / mib:.1f} "
+    print(f"\nmemory floor (rank 0, MiB; units of {impl.name}): sharded state {impl.sharded_state / mib:.1f} "
           f"+ (1 + {depth}) x largest unit {unit / mib:.1f} + activations {activations / mib:.1f} "
-          f"= {predicted / mib:.1f}; measured peak {measured / mib:.1f} ({measured / predicted:.2f}x the model)")
-    kept = "off" if not impl.model.fsdp_unit.pool.enabled else (
+          f"= {floor / mib:.1f}; measured peak / floor: "
+          + ", ".join(f"{i.name} {max(i.peaks) / floor:.3f}" for i in impls))
+    kept = "off" if not units_of(impl.model)[0].pool.enabled else (
         "kept between steps" if default_pool().keep_between_steps else "released after each backward")
-    print(f"buffer pool ({kept}): {stats.reserved_bytes / mib:.1f} MiB reserved now in {stats.slabs} slabs, "
-          f"most lent at once {stats.peak_lent_bytes / mib:.1f} MiB; {stats.allocations} allocations, "
-          f"{stats.reuses} reuses over the run")
+    print(f"buffer pool, shared by both of our models ({kept}): {stats.reserved_bytes / mib:.1f} MiB reserved "
+          f"now in {stats.slabs} slabs, most lent at once {stats.peak_lent_bytes / mib:.1f} MiB; "
+          f"{stats.allocations} allocations, {stats.reuses} reuses over the run")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from megatron_fsdp.api.fully_shard_model import FULLY_SHARD_MODEL_OPTIONS, fully
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy, TorchMixedPrecisionPolicy, resolve_mp_policy
 from megatron_fsdp.core.options import EngineOptions
 from megatron_fsdp.core.shard_module import shard_module
+from megatron_fsdp.optim import plain_local_step
 from megatron_fsdp.sharding.strategy import ShardingPlan
 
 # Per-module keywords that have no meaning in the whole-model form.
@@ -158,6 +159,7 @@ def fully_shard(
                           mp_policy=resolve_mp_policy(mp_policy), options=options, offload_policy=offload_policy)
         return fully_shard_whole_model(module, optimizer, per_module, dp_shard_dim=dp_shard_dim,
                                        dp_outer_dim=dp_outer_dim, **whole_model_options)
+    plain_local_step.enable()  # plain torch optimizers over our parameters step on the local shards
     return shard_module(module, mesh=mesh, sharding_strategy=sharding_strategy,
                         reshard_after_forward=reshard_after_forward, gradient_scaling=gradient_scaling,
                         outer_sharding_strategy=outer_sharding_strategy, dp_shard_dim=dp_shard_dim,

@@ -82,7 +82,9 @@ class RootState:
             for group in unit.groups:
                 group.keep_post_forward = False
         self._forward_without_backward = True
-        if not torch.is_grad_enabled():
+        if torch.is_grad_enabled():
+            self.root.pool.end_of_forward()  # the step's peak follows: idle slabs would add to it
+        else:
             # No backward follows (evaluation): the modules hold their sharded
             # parameters again, so that model.parameters() (e.g. an optimizer built
             # now) sees them, not gathered copies.

@@ -165,6 +165,18 @@ class BufferPool:
         self.reserved_bytes -= freed
         return freed
 
+    def end_of_forward(self) -> None:
+        """Called when a root's forward that a backward will follow is over: give back the free slabs.
+
+        A training step's memory peaks right after the forward, while every activation is
+        alive and the loss's gradient (and the root's weight gradients) are made; the slabs
+        the forward's units gave back sit idle then, so holding them would put the pool's
+        size on top of that peak. The backward's gathers allocate them again (on CPU: page
+        faults of one or two units' weights per step); the forward reuses what the
+        backward gave back.
+        """
+        self.trim()
+
     def end_of_backward(self) -> None:
         """Called once a backward that an optimizer step may follow is over (see ``keep_between_steps``)."""
         if not self.keep_between_steps:
@@ -193,8 +205,9 @@ class BufferPool:
 # checking (python -m tests.soak: libc_malloc_debug.so.0, MALLOC_CHECK_=3), 50 with the
 # pool on and 50 off, gave 0 crashes and 0 failures (docs/performance.md); on 2 gloo
 # ranks the pool takes the benchmark from 0.79x to 0.72-0.74x FSDP2's step time for
-# 12.6 MiB more peak. Whether a root uses it is its ``EngineOptions.buffer_pool``
-# (core/options.py); a root with the pool off gets ``unpooled()``.
+# 12.6 MiB more peak (measured with the mmap threshold forced down, 2026-11-22; since
+# end_of_forward frees idle slabs, the peak is the pool-off one). Whether a root uses it
+# is its ``EngineOptions.buffer_pool`` (core/options.py); a root with the pool off gets ``unpooled()``.
 _default_pool = BufferPool()
 _unpooled = BufferPool(enabled=False)
 

@@ -8,6 +8,7 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megatron_fsdp import EngineOptions, fully_shard
 from megatron_fsdp.comm.profiling import RANGE_NAMES
@@ -114,14 +115,30 @@ def profiler_sees_named_ranges() -> None:
 
 
 @check(SUITE, world_sizes=(2,))
-def pool_stops_allocating_after_warmup() -> None:
+def pool_reuses_slabs_and_frees_idle_ones_after_forward() -> None:
+    """After warm-up a forward allocates nothing; the forward's end gives the idle slabs back.
+
+    The backward then takes at most the slabs of the unit it computes and the one it
+    prefetches (1 + prefetch depth), the same number every step.
+    """
     pool = default_pool()
     model = sharded_stack(POOLED)
     train_steps(model, 2)
     warm = pool.stats()
-    train_steps(model, 3)
+    new_slabs = []
+    for step in range(3):
+        before = pool.stats()
+        x = torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(100 + step))
+        loss = model(x).square().mean()
+        after_forward = pool.stats()
+        assert after_forward.allocations == before.allocations, (before, after_forward)
+        assert after_forward.reserved_bytes == after_forward.lent_bytes == 0, after_forward  # root holds no weights
+        loss.backward()
+        new_slabs.append(pool.stats().allocations - after_forward.allocations)
+        model.zero_grad()
+    depth = max(unit.prefetch_depth for unit in units_of(model))
+    assert len(set(new_slabs)) == 1 and 1 <= new_slabs[0] <= 1 + depth, new_slabs
     after = pool.stats()
-    assert after.allocations == warm.allocations, (warm, after)
     assert after.reuses > warm.reuses, (warm, after)
     assert after.lent_bytes == 0, after  # every gathered weight and gradient buffer came back
     largest = max(unit_bytes(model))
@@ -188,3 +205,57 @@ def gradient_buffers_are_reused_within_backward_and_dropped_after() -> None:
     # the other three take the buffers their reductions gave back.
     assert (allocated, reused) == (6, 6), (allocated, reused)
     assert spares.spare_count() == 0, "spare gradient buffers held between steps"
+
+
+@check(SUITE, world_sizes=(2,))
+def plain_optimizer_steps_on_local_shards_bitwise() -> None:
+    """A plain AdamW over fully_shard-ed parameters steps on the local shards (optim/plain_local_step.py):
+    bitwise the DTensor step's parameters and state; a subclass, or a step that raises, keeps DTensors."""
+    from megatron_fsdp import fully_shard_optimizer
+    from megatron_fsdp.optim import plain_local_step
+
+    entered = []
+    original = plain_local_step.on_local_shards
+
+    def counting(optimizer):
+        entered.append(type(optimizer).__name__)
+        return original(optimizer)
+
+    class ScaledAdamW(torch.optim.AdamW):  # a subclass may look across a tensor: never stepped locally
+        pass
+
+    plain_local_step.on_local_shards = counting
+    try:
+        models = [sharded_stack() for _ in range(3)]
+        optimizers = [
+            torch.optim.AdamW(models[0].parameters(), lr=0.01),
+            fully_shard_optimizer(torch.optim.AdamW(models[1].parameters(), lr=0.01), step_on_local_shards=False),
+            ScaledAdamW(models[2].parameters(), lr=0.01),
+        ]
+        for model, optimizer in zip(models, optimizers):
+            train_steps(model, 3, optimizer)
+    finally:
+        plain_local_step.on_local_shards = original
+    assert entered == ["AdamW", "AdamW"], entered  # steps 2 and 3 of the plain AdamW; step 1 creates state
+    for other in (models[1], models[2]):
+        for (name, a), b in zip(models[0].named_parameters(), other.parameters()):
+            assert torch.equal(a.to_local(), b.to_local()), name
+    for a, b in zip(optimizers[0].state.values(), optimizers[1].state.values()):
+        for key in a:
+            assert type(a[key]) is type(b[key]), key  # DTensors again after the step
+            assert torch.equal(getattr(a[key], "_local_tensor", a[key]), getattr(b[key], "_local_tensor", b[key]))
+
+    def failing_closure_free_step(*_):
+        raise RuntimeError("boom")
+
+    model, optimizer = models[0], optimizers[0]
+    model(torch.randn(16, WIDTH)).square().mean().backward()
+    handle = optimizer.register_step_post_hook(failing_closure_free_step)
+    try:
+        optimizer.step()
+    except RuntimeError as error:
+        assert "boom" in str(error)
+    handle.remove()
+    state = optimizer.state_dict()["state"]  # puts the DTensors back
+    assert all(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
+    assert all(isinstance(v, DTensor) for s in state.values() for k, v in s.items() if k != "step")
