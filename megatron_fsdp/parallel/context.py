@@ -17,8 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from megatron_fsdp.parallel.mappings import gather_along, reduce_scatter_along
 
 
 @dataclass(frozen=True)
@@ -68,18 +67,11 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, cp: ContextParallel, dim: int) -> torch.Tensor:
         ctx.cp, ctx.dim = cp, dim
-        moved = x.movedim(dim, 0).contiguous()
-        out = torch.empty((cp.size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
-        _all_gather_flat(out, moved, group=cp.group)
-        return out.movedim(0, dim)
+        return gather_along(x, cp.group, cp.size, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        cp, dim = ctx.cp, ctx.dim
-        moved = grad.movedim(dim, 0).contiguous()
-        out = torch.empty((moved.shape[0] // cp.size, *moved.shape[1:]), dtype=grad.dtype, device=grad.device)
-        _reduce_scatter_flat(out, moved, op=dist.ReduceOp.SUM, group=cp.group)
-        return out.movedim(0, dim), None, None
+        return reduce_scatter_along(grad, ctx.cp.group, ctx.cp.size, ctx.dim), None, None
 
 
 def gather_sequence(x: torch.Tensor, cp: ContextParallel, dim: int) -> torch.Tensor:

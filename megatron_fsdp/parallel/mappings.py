@@ -44,19 +44,29 @@ def _split(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
     return x.narrow(dim, tp.rank * width, width).contiguous()
 
 
-def _gather(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
+def gather_along(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` of ``group`` (``size`` ranks) concatenated along ``dim``, in rank order."""
     x = x.movedim(dim, 0).contiguous()
-    out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_flat(out, x, group=tp.group)
+    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_flat(out, x, group=group)
     return out.movedim(0, dim)
+
+
+def reduce_scatter_along(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, dim: int) -> torch.Tensor:
+    """``x`` summed over ``group``; this rank keeps its ``1/size`` slice along ``dim`` (which must divide)."""
+    x = x.movedim(dim, 0).contiguous()
+    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter_flat(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+def _gather(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
+    return gather_along(x, tp.group, tp.size, dim)
 
 
 def _reduce_scatter(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
-    x = x.movedim(dim, 0).contiguous()
-    rows = tp.divide(x.shape[0], f"dimension {dim} of an activation of shape {tuple(x.shape)}")
-    out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_flat(out, x, group=tp.group)
-    return out.movedim(0, dim)
+    tp.divide(x.shape[dim], f"dimension {dim} of an activation of shape {tuple(x.shape)}")
+    return reduce_scatter_along(x, tp.group, tp.size, dim)
 
 
 class _CopyTo(torch.autograd.Function):
