@@ -27,6 +27,19 @@ class Block(nn.Module):
         return x + self.down(torch.tanh(self.up(self.norm(x))))
 
 
+class ResidualMLP(nn.Module):
+    """A pre-norm residual MLP with a ReLU (the FSDP2-scenario suites' block; ``Block`` uses tanh)."""
+
+    def __init__(self, dim: int = 12) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 3 * dim + 1)
+        self.down = nn.Linear(3 * dim + 1, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
 class Net(nn.Module):
     def __init__(self, layers: int = 3) -> None:
         super().__init__()

@@ -15,20 +15,10 @@ from torch.distributed.tensor import DTensor
 
 from megatron_fsdp import fully_shard
 from tests.distributed.harness import check, device
+from tests.models import ResidualMLP as MLP
 
 SUITE = "fsdp2_idioms"
 STRATEGIES = ("optim_grads_params", "optim_grads", "optim", "no_shard")
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int = 12) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 3 * dim + 1)
-        self.down = nn.Linear(3 * dim + 1, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
 def make_model() -> nn.Sequential:

@@ -25,20 +25,10 @@ from torch.distributed.tensor import DTensor
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp.core.lookup import units_of
 from tests.distributed.harness import check
+from tests.models import ResidualMLP as Block
 
 SUITE = "fsdp2_offload"
 STEPS = 3
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int = 12) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 3 * dim + 1)
-        self.down = nn.Linear(3 * dim + 1, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
 class Net(nn.Module):
