@@ -263,10 +263,6 @@ def _validate_model_parallel(args: argparse.Namespace, world_size: int) -> None:
     if tp > 1 and args.model_provider == "mcore":
         _fail("--tensor-model-parallel-size > 1 with --model-provider mcore is not supported: megatron-core's "
               "model needs its own parallel_state; use --model-provider gpt")
-    if tp > 1 and (args.save or args.load):
-        _fail("--save/--load with --tensor-model-parallel-size > 1 is not supported yet: the checkpoint format does "
-              "not record tensor-parallel slices, so a save would keep one TP rank's slices under each name. "
-              "Train without --save/--load, or with --tensor-model-parallel-size 1")
 
 
 def _validate_tensor_parallel_sizes(args: argparse.Namespace) -> None:

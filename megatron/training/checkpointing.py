@@ -2,7 +2,9 @@
 
 The model, optimizer, scheduler, RNG states and data position are saved in
 Megatron's layout (``DIR/iter_0000010/`` + ``DIR/latest_checkpointed_iteration.txt``)
-as sharded DCP files that load at any number of ranks and any strategy.
+as sharded DCP files that load at any number of ranks and any strategy, and at any
+tensor-, context- and expert-parallel size: entries are those of the model without
+tensor or expert parallelism (``model_parallel``).
 
 What is refused, and why (docs/megatron.md, "Checkpoints"):
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +32,7 @@ from torch import nn
 from megatron_fsdp.checkpoint import (
     TRACKER_FILE,
     CheckpointCorruptError,
+    ModelParallel,
     load_checkpoint,
     read_latest_iteration,
     save_checkpoint,
@@ -38,6 +42,7 @@ from megatron_fsdp.checkpoint.sharded_io import run_on_first
 from .config import RunState
 from .initialize import print_rank_0
 from .optimizer_param_scheduler import OptimizerParamScheduler
+from .parallel_state import ParallelLayout
 
 # The flags that define the model a checkpoint holds (compared at --load; saved in extra.pt's "args").
 MODEL_ARGS = (
@@ -67,8 +72,31 @@ def model_args_mismatch(saved_args: dict[str, Any], args: argparse.Namespace) ->
     return [f"{_flag(k)} {saved[k]} (saved) vs {now.get(k)} (now)" for k in saved if saved[k] != now.get(k)]
 
 
+# An expert's parameters: ``...mlp.local_experts.<local index>.<name>`` (megatron_fsdp.parallel.moe).
+_LOCAL_EXPERT = re.compile(r"(^|\.)local_experts\.(\d+)\.")
+
+
+def model_parallel(args: argparse.Namespace, layout: ParallelLayout) -> ModelParallel:
+    """The checkpoint's view of the layout: entries are the model's without TP and EP, whatever the sizes.
+
+    TP-sharded parameters are saved as full tensors; expert ``j`` of EP rank ``r`` is
+    saved as expert ``r * E / P + j`` (its global index), so the names do not depend on
+    ``--expert-model-parallel-size``.
+    """
+    ep = layout.ep
+    rename = None
+    if ep.size > 1:
+        per_rank = args.num_experts // ep.size
+        first = ep.rank * per_rank
+
+        def rename(fqn: str) -> str:
+            return _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}local_experts.{first + int(m.group(2))}.", fqn, count=1)
+
+    return ModelParallel(tp_size=layout.tp.size, tp_rank=layout.tp.rank, rename=rename)
+
+
 def save(args: argparse.Namespace, state: RunState, module: nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler: OptimizerParamScheduler) -> None:
+         scheduler: OptimizerParamScheduler, layout: ParallelLayout) -> None:
     """Save ``module`` (the user's, unwrapped), the optimizer and the run's position to ``--save``."""
     extra = {
         "scheduler": scheduler.state_dict(),
@@ -76,7 +104,8 @@ def save(args: argparse.Namespace, state: RunState, module: nn.Module, optimizer
         "consumed_valid_samples": state.consumed_valid_samples,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
     }
-    path = save_checkpoint(args.save, state.iteration, module, optimizer, extra=extra)
+    path = save_checkpoint(args.save, state.iteration, module, optimizer, extra=extra,
+                           model_parallel=model_parallel(args, layout))
     print_rank_0(f"  successfully saved checkpoint from iteration {state.iteration:7d} to {path}")
 
 
@@ -125,6 +154,17 @@ def _locate(args: argparse.Namespace) -> str | None:
     )
 
 
+def _padding_hint(saved: dict[str, Any], args: argparse.Namespace) -> str:
+    """Why the padded vocabulary differs when only the tensor-parallel size changed the padding."""
+    saved_tp = saved.get("tensor_model_parallel_size", 1)
+    if saved.get("padded_vocab_size") == args.padded_vocab_size or saved_tp == args.tensor_model_parallel_size:
+        return ""
+    return (f"The vocabulary is padded to a multiple of --make-vocab-size-divisible-by x --tensor-model-parallel-size "
+            f"({args.make_vocab_size_divisible_by} x {saved_tp} when saved, x {args.tensor_model_parallel_size} now), "
+            "and the padded rows take part in the softmax: choose --make-vocab-size-divisible-by so that both "
+            "layouts pad to the same size (train and resume with it). ")
+
+
 def _check_extra(args: argparse.Namespace) -> Callable[[dict[str, Any]], None]:
     """The ``check_extra`` of ``load_checkpoint``: model arguments agree, and a resume has its data position."""
 
@@ -134,8 +174,8 @@ def _check_extra(args: argparse.Namespace) -> Callable[[dict[str, Any]], None]:
             if differ:
                 raise ValueError(
                     f"--load {args.load}: the checkpoint was saved with other model arguments: {'; '.join(differ)}. "
-                    "Pass the saved values, or --no-load-args-check (or --finetune) to load its weights into this "
-                    "model anyway"
+                    f"{_padding_hint(extra['args'], args)}Pass the saved values, or --no-load-args-check (or "
+                    "--finetune) to load its weights into this model anyway"
                 )
         missing = [k for k in RESUME_KEYS if k not in extra]
         if not args.finetune and missing:
@@ -149,7 +189,7 @@ def _check_extra(args: argparse.Namespace) -> Callable[[dict[str, Any]], None]:
 
 
 def load(args: argparse.Namespace, module: nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler: OptimizerParamScheduler) -> RunState:
+         scheduler: OptimizerParamScheduler, layout: ParallelLayout) -> RunState:
     """Resume from ``--load`` into ``module`` (the user's, unwrapped): the run's state to continue from.
 
     A fresh start (``--allow-fresh-start``) and ``--finetune`` start at iteration 0 with no data consumed.
@@ -162,7 +202,7 @@ def load(args: argparse.Namespace, module: nn.Module, optimizer: torch.optim.Opt
     loaded = load_checkpoint(
         args.load, module, None if (finetune or args.no_load_optim) else optimizer,
         load_optimizer=not (finetune or args.no_load_optim), load_rng=not (finetune or args.no_load_rng),
-        check_extra=_check_extra(args),
+        check_extra=_check_extra(args), model_parallel=model_parallel(args, layout),
     )
     print_rank_0(f"  successfully loaded checkpoint from {args.load} at iteration {loaded.iteration}")
     if finetune:

@@ -170,7 +170,8 @@ class Trainer:
         return total_means / total_count
 
     def save(self) -> None:
-        checkpointing.save(self.args, self.state, self.backend.module, self.optimizer, self.scheduler)
+        checkpointing.save(self.args, self.state, self.backend.module, self.optimizer, self.scheduler,
+                           self.backend.layout)
 
     def _write_scalars(self, values: dict[str, float]) -> None:
         if self.writer is not None:

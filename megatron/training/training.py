@@ -61,7 +61,7 @@ def pretrain(
         optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
         decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style,
     )
-    state = checkpointing.load(args, backend.module, optimizer, scheduler) if args.load else RunState()
+    state = checkpointing.load(args, backend.module, optimizer, scheduler, layout) if args.load else RunState()
     checkpointing.check_save_target(args, state.iteration)  # before training, not at the first save
     train_iter, valid_iter, _ = build_train_valid_test_data_iterators(
         args, layout.dp_rank, layout.dp_size, consumed_train_samples=state.consumed_train_samples,

@@ -3,7 +3,8 @@
 Owns distributed checkpoints in the Megatron directory layout (``iterations``:
 ``save_checkpoint``/``load_checkpoint``), sharded DCP I/O of a model and optimizer
 (``sharded_io``: ``save_state``/``load_state``), the state dicts it writes
-(``state_dicts``), atomic directories and integrity manifests (``dirs``,
+(``state_dicts``; tensor-parallel slices and expert renaming in ``model_parallel``),
+atomic directories and integrity manifests (``dirs``,
 ``integrity``), full state dicts exported one tensor at a time (``export``,
 ``safetensors_stream``) and ``python -m megatron_fsdp.checkpoint`` (``cli``).
 May import ``comm``, ``memory``, ``sharding`` and ``core``; not ``optim`` or ``api``.
@@ -20,6 +21,7 @@ from megatron_fsdp.checkpoint.iterations import (
     read_latest_iteration,
     save_checkpoint,
 )
+from megatron_fsdp.checkpoint.model_parallel import ModelParallel
 from megatron_fsdp.checkpoint.sharded_io import load_state, save_state
 from megatron_fsdp.checkpoint.state_dicts import CheckpointMismatchError
 
@@ -29,6 +31,7 @@ __all__ = [
     "CheckpointIncompleteError",
     "CheckpointMismatchError",
     "LoadedCheckpoint",
+    "ModelParallel",
     "export_full_state_dict",
     "import_full_state_dict",
     "iteration_dir",

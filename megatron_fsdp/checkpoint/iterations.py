@@ -31,6 +31,7 @@ from torch import nn
 
 from megatron_fsdp.checkpoint.dirs import resolve_committed
 from megatron_fsdp.checkpoint.integrity import CheckpointCorruptError, CheckpointIncompleteError, read_part
+from megatron_fsdp.checkpoint.model_parallel import ModelParallel
 from megatron_fsdp.checkpoint.sharded_io import (
     LoadResult,
     agree,
@@ -128,6 +129,7 @@ def save_checkpoint(
     extra: dict | None = None,
     *,
     process_group: dist.ProcessGroup | None = None,
+    model_parallel: ModelParallel | None = None,
 ) -> str:
     """Write ``save_dir/iter_{iteration:07d}/`` atomically, then point the tracker file at it.
 
@@ -162,7 +164,8 @@ def save_checkpoint(
             with open(os.path.join(tmp, INFO_FILE), "w") as f:
                 json.dump(info, f, indent=1)
 
-    path = save_state(final, model, optimizer, process_group=process_group, before_commit=add_files)
+    path = save_state(final, model, optimizer, process_group=process_group, before_commit=add_files,
+                      model_parallel=model_parallel)
     tracker = os.path.join(os.path.abspath(save_dir), TRACKER_FILE)
     run_on_first(lambda: write_file_atomically(tracker, f"{iteration}\n".encode()), process_group)
     return path
@@ -232,6 +235,7 @@ def load_checkpoint(
     strict: bool = True,
     process_group: dist.ProcessGroup | None = None,
     check_extra: Callable[[dict[str, Any]], None] | None = None,
+    model_parallel: ModelParallel | None = None,
 ) -> LoadedCheckpoint:
     """Restore what ``save_checkpoint`` wrote, at any world size and sharding strategy.
 
@@ -269,7 +273,7 @@ def load_checkpoint(
     rng = agree(lambda: _read_rng(path, rank) if restore_rng else None, process_group)
     result: LoadResult = load_state(
         path, model, optimizer if load_optimizer else None, strict=strict, process_group=process_group,
-        verify=False,
+        verify=False, model_parallel=model_parallel,
     )
     if restore_rng:
         _set_rng_state(rng)

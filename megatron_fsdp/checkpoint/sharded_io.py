@@ -45,12 +45,14 @@ from megatron_fsdp.checkpoint.integrity import (
     share,
     verify_files,
 )
+from megatron_fsdp.checkpoint.model_parallel import NO_MODEL_PARALLEL, ModelParallel
 from megatron_fsdp.checkpoint.state_dicts import (
     KeyReport,
     apply_model_state,
     apply_optimizer_state,
     logger,
     model_entries,
+    model_names,
     optimizer_entries,
     plan_model_load,
     plan_optimizer_load,
@@ -242,12 +244,15 @@ def read_dcp(entries: dict[str, Any], directory: str, process_group: dist.Proces
              planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=not _distributed())
 
 
-def state_entries(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """The flat dict ``save_state`` writes (see ``state_dicts``)."""
+def state_entries(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, model_parallel: ModelParallel | None = None
+) -> dict[str, Any]:
+    """The flat dict ``save_state`` writes (see ``state_dicts``; ``model_parallel`` in ``model_parallel``)."""
+    layout = model_parallel or NO_MODEL_PARALLEL
     reshard_all(model)
-    entries = model_entries(model)
+    entries = model_entries(model, layout)
     if optimizer is not None:
-        entries.update(optimizer_entries(model, optimizer))
+        entries.update(optimizer_entries(model, optimizer, layout))
     return entries
 
 
@@ -258,6 +263,7 @@ def save_state(
     *,
     process_group: dist.ProcessGroup | None = None,
     before_commit: Callable[[str], None] | None = None,
+    model_parallel: ModelParallel | None = None,
 ) -> str:
     """Write ``model`` (and ``optimizer``) as a sharded DCP checkpoint at ``path``, atomically.
 
@@ -268,9 +274,13 @@ def save_state(
     to ``path`` (an existing ``path`` is swapped out, never left missing where the
     system can exchange directories). Scratch directories of earlier saves into
     the same parent whose process died are removed first. Returns ``path`` (absolute).
+
+    ``model_parallel``: with tensor or expert parallelism, this rank's place in it;
+    entries are then the unsplit model's (``model_parallel`` module), loadable at any
+    other tensor-/expert-parallel size.
     """
     path = os.path.abspath(path)
-    entries = state_entries(model, optimizer)
+    entries = state_entries(model, optimizer, model_parallel)
     scratch: ScratchDir | None = None  # the group's first rank only
 
     def create() -> str:
@@ -317,6 +327,7 @@ def load_state(
     strict: bool = True,
     process_group: dist.ProcessGroup | None = None,
     verify: bool = True,
+    model_parallel: ModelParallel | None = None,
 ) -> LoadResult:
     """Load a checkpoint written by ``save_state`` (or by DCP from PyTorch FSDP2/DDP state dicts).
 
@@ -327,17 +338,19 @@ def load_state(
     ``CheckpointIncompleteError`` / ``CheckpointCorruptError`` naming it. With
     ``strict`` (default) any missing, unexpected or differently-shaped key raises
     ``CheckpointMismatchError`` naming it; with ``strict=False`` those keys are
-    skipped, logged and returned.
+    skipped, logged and returned. ``model_parallel`` as in ``save_state`` (for this run's layout,
+    whatever the saving run's).
     """
+    layout = model_parallel or NO_MODEL_PARALLEL
     path = resolve_committed(path)
     metadata = agree(lambda: read_metadata(path), process_group)
     verified = verify_checkpoint(path, process_group) if verify else True
     agree(lambda: check_storage_files(path, metadata), process_group)
     reshard_all(model)
-    model_targets, report = plan_model_load(model_entries(model), metadata)
+    model_targets, report = plan_model_load(model_entries(model, layout), metadata)
     optim_plan = None
     if optimizer is not None:
-        optim_plan = plan_optimizer_load(model, optimizer, metadata)
+        optim_plan = plan_optimizer_load(model, optimizer, metadata, layout)
         _merge(report, optim_plan.report)
     settle(report, strict, repr(path))
     entries = dict(model_targets)
@@ -353,9 +366,10 @@ def load_state(
             f"{MANIFEST_FILE} to check its files against; a file modified after the save is the likely cause. "
             "Restore it from a copy, or load an earlier iteration"
         ) from exc
-    apply_model_state(model, {k: entries[k] for k in model_targets})
+    names = None if layout == NO_MODEL_PARALLEL else model_names(model, layout)
+    apply_model_state(model, {k: entries[k] for k in model_targets}, names)
     if optim_plan is not None and optim_plan.group_keys:
-        apply_optimizer_state(model, optimizer, optim_plan, entries)
+        apply_optimizer_state(model, optimizer, optim_plan, entries, layout)
     return LoadResult(report.missing_keys, report.unexpected_keys, report.mismatched_keys)
 
 

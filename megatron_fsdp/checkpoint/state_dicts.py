@@ -31,6 +31,13 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from megatron_fsdp.checkpoint.model_parallel import (
+    NO_MODEL_PARALLEL,
+    ModelParallel,
+    checkpoint_value,
+    full_shape,
+    source_of,
+)
 from megatron_fsdp.core.module import FSDPModule
 
 logger = logging.getLogger("megatron_fsdp.checkpoint")
@@ -102,21 +109,42 @@ def _torch_fsdp_module_class() -> type | None:
     return TorchFSDPModule
 
 
-def parameter_fqns(model: nn.Module) -> dict[int, str]:
-    """``id(param) -> FQN`` (the first name of a tied parameter, as PyTorch's helpers use)."""
-    return {id(p): name for name, p in unwrap(model).named_parameters()}
+def parameter_fqns(model: nn.Module, layout: ModelParallel = NO_MODEL_PARALLEL) -> dict[int, str]:
+    """``id(param) -> name`` in the checkpoint: the FQN (the first name of a tied parameter, as PyTorch's
+    helpers use), renamed by ``layout``."""
+    return {id(p): layout.name(name) for name, p in unwrap(model).named_parameters()}
 
 
 # -- building the flat dicts ------------------------------------------------
-def model_entries(model: nn.Module) -> dict[str, Any]:
-    """``model.<fqn>`` -> this rank's (sharded) value, via PyTorch's DCP state-dict helper."""
+def model_entries(model: nn.Module, layout: ModelParallel = NO_MODEL_PARALLEL) -> dict[str, Any]:
+    """``model.<name>`` -> this rank's (sharded) value, via PyTorch's DCP state-dict helper.
+
+    With model parallelism (``layout``) names are the checkpoint's and TP-sharded
+    parameters are full-shape ``ChunkedTensor`` values (``model_parallel``).
+    """
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
-    return {MODEL_PREFIX + k: v for k, v in state.items()}
+    if layout == NO_MODEL_PARALLEL:
+        return {MODEL_PREFIX + k: v for k, v in state.items()}
+    params = dict(unwrap(model).named_parameters(remove_duplicate=False))
+    out = {}
+    for fqn, value in state.items():
+        name = layout.name(fqn)
+        param = params.get(fqn)
+        out[MODEL_PREFIX + name] = value if param is None else checkpoint_value(value, param, layout, name)
+    return out
 
 
-def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``optim.*`` entries of ``optimizer``, keyed by parameter FQN (see module docstring)."""
-    fqns = parameter_fqns(model)
+def model_names(model: nn.Module, layout: ModelParallel = NO_MODEL_PARALLEL) -> dict[str, str]:
+    """``model.<name>`` in the checkpoint -> the state-dict FQN it loads into."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    return {MODEL_PREFIX + layout.name(fqn): fqn for fqn in state}
+
+
+def optimizer_entries(
+    model: nn.Module, optimizer: torch.optim.Optimizer, layout: ModelParallel = NO_MODEL_PARALLEL
+) -> dict[str, Any]:
+    """``optim.*`` entries of ``optimizer``, keyed by parameter name (see module docstring)."""
+    fqns = parameter_fqns(model, layout)
     out: dict[str, Any] = {}
     for index, group in enumerate(optimizer.param_groups):
         names = []
@@ -136,7 +164,7 @@ def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
         if name is None:
             continue  # state of a parameter no longer in any group
         for key, value in state.items():
-            out[f"{OPTIM_STATE_PREFIX}{name}.{key}"] = value
+            out[f"{OPTIM_STATE_PREFIX}{name}.{key}"] = checkpoint_value(value, param, layout, name)
     return out
 
 
@@ -164,14 +192,14 @@ def plan_model_load(model_state: dict[str, Any], metadata: Metadata) -> tuple[di
     return loadable, report
 
 
-def _state_target(param: torch.Tensor, md: Any) -> Any:
+def _state_target(param: torch.Tensor, md: Any, layout: ModelParallel = NO_MODEL_PARALLEL, name: str = "") -> Any:
     """An empty value in ``param``'s layout that DCP can read a saved state entry into."""
     if isinstance(md, BytesStorageMetadata):
         return None  # replaced by the unpickled object
     dtype = md.properties.dtype
-    if tuple(md.size) == tuple(param.shape):
+    if tuple(md.size) == full_shape(param, layout, name):
         # Same shape as the parameter: read only this rank's rows, in its layout.
-        return torch.zeros_like(param.detach(), dtype=dtype)
+        return checkpoint_value(torch.zeros_like(param.detach(), dtype=dtype), param, layout, name)
     local = param.to_local() if isinstance(param, DTensor) else param
     device = torch.device("cpu") if len(md.size) == 0 else local.device  # AdamW keeps `step` on CPU
     return torch.zeros(tuple(md.size), dtype=dtype, device=device)
@@ -188,10 +216,11 @@ class OptimizerLoadPlan:
 
 
 def plan_optimizer_load(
-    model: nn.Module, optimizer: torch.optim.Optimizer, metadata: Metadata
+    model: nn.Module, optimizer: torch.optim.Optimizer, metadata: Metadata,
+    layout: ModelParallel = NO_MODEL_PARALLEL,
 ) -> OptimizerLoadPlan:
     """Targets for every ``optim.*`` entry of the checkpoint that belongs to ``optimizer``'s parameters."""
-    fqns = parameter_fqns(model)
+    fqns = parameter_fqns(model, layout)
     params = {fqns[id(p)]: p for group in optimizer.param_groups for p in group["params"] if id(p) in fqns}
     plan = OptimizerLoadPlan({}, {}, {}, KeyReport())
     by_length = sorted(params, key=len, reverse=True)  # longest FQN first: 'a.b' before 'a'
@@ -210,21 +239,21 @@ def plan_optimizer_load(
                 plan.report.unexpected_keys.append(key)
                 continue
             param = params[name]
-            if isinstance(md, TensorStorageMetadata) and len(md.size) > 0 and tuple(md.size) != tuple(param.shape):
+            shape = full_shape(param, layout, name)
+            if isinstance(md, TensorStorageMetadata) and len(md.size) > 0 and tuple(md.size) != shape:
                 if len(md.size) == param.dim():  # a moment of a parameter whose shape changed
-                    plan.report.mismatched_keys.append(
-                        f"{key} (checkpoint {tuple(md.size)}, parameter {tuple(param.shape)})"
-                    )
+                    plan.report.mismatched_keys.append(f"{key} (checkpoint {tuple(md.size)}, parameter {shape})")
                     continue
             plan.state_keys[key] = (name, rest[len(name) + 1:])
-            plan.entries[key] = _state_target(param, md)
+            plan.entries[key] = _state_target(param, md, layout, name)
     if not plan.group_keys:
         plan.report.missing_keys.append("optim.param_groups (the checkpoint holds no optimizer state)")
     return plan
 
 
 def apply_optimizer_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, plan: OptimizerLoadPlan, loaded: dict[str, Any]
+    model: nn.Module, optimizer: torch.optim.Optimizer, plan: OptimizerLoadPlan, loaded: dict[str, Any],
+    layout: ModelParallel = NO_MODEL_PARALLEL,
 ) -> None:
     """Load the read entries into ``optimizer``, matching parameters and groups by FQN.
 
@@ -239,9 +268,9 @@ def apply_optimizer_state(
     group_of_fqn = {name: i for i, g in saved_groups.items() for name in g.get("params", [])}
     state_by_fqn: dict[str, dict[str, Any]] = {}
     for key, (name, state_name) in plan.state_keys.items():
-        state_by_fqn.setdefault(name, {})[state_name] = loaded[key]
+        state_by_fqn.setdefault(name, {})[state_name] = source_of(loaded[key])
 
-    fqns = parameter_fqns(model)
+    fqns = parameter_fqns(model, layout)
     ids: dict[int, int] = {}
     state: dict[int, dict[str, Any]] = {}
     groups = []
@@ -273,9 +302,15 @@ def _hypers(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def apply_model_state(model: nn.Module, loaded: dict[str, Any]) -> None:
-    """Install read ``model.*`` entries through ``load_state_dict`` (ours re-marks gathered weights stale)."""
-    state = {k[len(MODEL_PREFIX):]: v for k, v in loaded.items()}
+def apply_model_state(model: nn.Module, loaded: dict[str, Any], names: dict[str, str] | None = None) -> None:
+    """Install read ``model.*`` entries through ``load_state_dict`` (ours re-marks gathered weights stale).
+
+    ``names``: checkpoint key -> state-dict FQN (``model_names``) when the two differ.
+    """
+    if names is None:
+        state = {k[len(MODEL_PREFIX):]: v for k, v in loaded.items()}
+    else:
+        state = {names[k]: source_of(v) for k, v in loaded.items()}
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 

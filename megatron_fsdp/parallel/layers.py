@@ -56,9 +56,9 @@ class ColumnParallelLinear(nn.Module):
         local_out = tp.divide(out_features, "the output size of a column-parallel linear")
         self.weight = nn.Parameter(torch.empty(local_out, in_features))
         self.bias = nn.Parameter(torch.empty(local_out)) if bias else None
-        set_tensor_model_parallel_attributes(self.weight, True, 0)
+        set_tensor_model_parallel_attributes(self.weight, True, 0, segments=self.segments)
         if self.bias is not None:
-            set_tensor_model_parallel_attributes(self.bias, True, 0)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, segments=self.segments)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -43,11 +43,18 @@ class TensorParallel:
 
 
 def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, partition_dim: int,
-                                         stride: int = 1) -> None:
-    """Megatron's attributes: ``tensor_model_parallel``, ``partition_dim``, ``partition_stride``."""
+                                         stride: int = 1, segments: Sequence[int] | None = None) -> None:
+    """Megatron's attributes: ``tensor_model_parallel``, ``partition_dim``, ``partition_stride``.
+
+    ``segments`` (full sizes along ``partition_dim`` of parts split separately, as in
+    ``take_partition``) is kept as ``partition_segments``: checkpoints need it to place
+    a fused weight's slice in the full tensor (``megatron_fsdp.checkpoint.model_parallel``).
+    """
     tensor.tensor_model_parallel = is_parallel
     tensor.partition_dim = partition_dim
     tensor.partition_stride = stride
+    if segments is not None:
+        tensor.partition_segments = tuple(segments)
 
 
 def take_partition(
