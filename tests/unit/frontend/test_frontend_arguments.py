@@ -165,8 +165,6 @@ def test_tensor_parallel_sizes_and_derived_data_parallel_size(capsys):
      "--num-query-groups (1) must be divisible"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33",
       "--max-position-embeddings", "40"], 2, "--seq-length (33) / --context-parallel-size (1) must be divisible"),
-    (["--tensor-model-parallel-size", "2", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--save", "x"],
-     2, "--save/--load with --tensor-model-parallel-size > 1 is not supported yet"),
     (["--context-parallel-size", "3"], 4, "--context-parallel-size (3) must be >= 1, and"),
     (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--seq-length", "34",
       "--max-position-embeddings", "40"], 4, "--seq-length (34) must be divisible by 2 x --context-parallel-size"),
