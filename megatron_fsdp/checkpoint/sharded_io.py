@@ -352,6 +352,8 @@ def load_state(
     if optimizer is not None:
         optim_plan = plan_optimizer_load(model, optimizer, metadata, layout)
         _merge(report, optim_plan.report)
+    if layout != NO_MODEL_PARALLEL:
+        report = _across_ranks(report, process_group)
     settle(report, strict, repr(path))
     entries = dict(model_targets)
     if optim_plan is not None and optim_plan.group_keys:
@@ -371,6 +373,26 @@ def load_state(
     if optim_plan is not None and optim_plan.group_keys:
         apply_optimizer_state(model, optimizer, optim_plan, entries, layout)
     return LoadResult(report.missing_keys, report.unexpected_keys, report.mismatched_keys)
+
+
+def _across_ranks(report: KeyReport, process_group: dist.ProcessGroup | None) -> KeyReport:
+    """The group's report: a key is unexpected only if no rank wants it; missing or mismatched if so on any.
+
+    With model parallelism ranks hold different parameters (expert-parallel ranks
+    other experts): each rank reads only its own, and every rank must raise alike.
+    """
+    if not _distributed():
+        return report
+    reports: list[Any] = [None] * group_size(process_group)
+    dist.all_gather_object(reports, report, group=process_group)
+    unexpected = set.intersection(*(set(r.unexpected_keys) for r in reports))
+
+    def union(lists: list[list[str]]) -> list[str]:
+        return list(dict.fromkeys(k for keys in lists for k in keys))
+
+    return KeyReport(union([r.missing_keys for r in reports]),
+                     [k for k in report.unexpected_keys if k in unexpected],
+                     union([r.mismatched_keys for r in reports]))
 
 
 def _merge(into: KeyReport, other: KeyReport) -> None:

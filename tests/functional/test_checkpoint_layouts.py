@@ -1,4 +1,4 @@
-"""pretrain_gpt.py checkpoints saved at one (TP, CP, DP, HSDP) layout resume at another, model and optimizer.
+"""pretrain_gpt.py checkpoints saved at one (TP, CP, EP, DP, HSDP) layout resume at another, model and optimizer.
 
 Each reference run trains 8 iterations without interruption and saves at iteration
 4 on the way (saving changes nothing in the run); its iteration-4 checkpoint is then
@@ -10,7 +10,8 @@ model (SwiGLU ``fc1``, grouped-query QKV), and the output layer is untied.
 The 4-rank group runs first and leaves its checkpoints; a 2-rank group then resumes
 the TP2 x DP2 one at TP2 x DP1. ``export`` of a TP2 checkpoint must equal the
 export of the same model saved at TP1, bitwise (``--lr 0``: the weights stay the
-initial ones, which are the same at every TP size).
+initial ones, which are the same at every TP size); the same for EP2 against EP1.
+Expert parallelism: EP2 x EDP2 resumes at EP1 x EDP4 and back.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ BASE = ("--mock-data --vocab-size 60 --make-vocab-size-divisible-by 32 --num-lay
 TP2 = ["--tensor-model-parallel-size", "2"]
 HSDP = ["--num-distributed-optimizer-instances", "2"]
 CP2 = ["--context-parallel-size", "2"]
+MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01".split()
+EP2 = [*MOE, "--expert-model-parallel-size", "2"]
 RTOL = 1e-5
 # reference run (trains 8, saves at 4) -> [(resumed run, its layout flags, bitwise?)]
 RESUMES_4 = {
@@ -45,9 +48,14 @@ RESUMES_4 = {
     "tp1_dp4": [("tp2_dp2_from_tp1_dp4", TP2, False)],
     "tp2_hsdp": [("tp1_dp4_from_tp2_hsdp", [], False), ("tp2_dp2_from_tp2_hsdp", TP2, False)],
     "tp2_cp2": [("tp1_dp4_from_tp2_cp2", [], False)],
+    "ep2_edp2": [("ep1_edp4_from_ep2_edp2", MOE, False), ("ep2_edp2_from_ep2_edp2", EP2, True)],
+    "ep1_edp4": [("ep2_edp2_from_ep1_edp4", EP2, False)],
 }
 RESUMES_2 = {"tp2_dp2": [("tp2_dp1_from_tp2_dp2", TP2, False)]}
-LAYOUTS = {"tp2_dp2": TP2, "tp1_dp4": [], "tp2_hsdp": [*TP2, *HSDP], "tp2_cp2": [*TP2, *CP2]}
+LAYOUTS = {"tp2_dp2": TP2, "tp1_dp4": [], "tp2_hsdp": [*TP2, *HSDP], "tp2_cp2": [*TP2, *CP2], "ep2_edp2": EP2,
+           "ep1_edp4": MOE}
+# export of the first equals export of the second (each saved after one step at --lr 0)
+EXPORTS = {"tp2": ("tp1", TP2, []), "ep2": ("ep1", EP2, MOE)}
 
 
 def _iteration_4(tmp: str, reference: str) -> str:
@@ -72,8 +80,10 @@ def _cases_4(tmp: str) -> list[tuple[str, list[str], str | None]]:
         for name, layout, _ in resumes:
             cases.append((name, [*layout, "--load", _iteration_4(tmp, reference)], reference))
     # --lr 0: the weights stay the initial ones (the same at every TP size), for the export comparison.
-    for name, layout in (("export_tp2", TP2), ("export_tp1", [])):
-        cases.append((name, [*layout, "--lr", "0", "--train-iters", "1", "--save", os.path.join(tmp, name)], None))
+    for first, (second, first_layout, second_layout) in EXPORTS.items():
+        for name, layout in ((first, first_layout), (second, second_layout)):
+            cases.append((f"export_{name}", [*layout, "--lr", "0", "--train-iters", "1", "--save",
+                                             os.path.join(tmp, f"export_{name}")], None))
     # The MLP is wider than the checkpoint's: refused naming the TP-sharded parameter (shapes checked).
     cases.append(("wider_mlp", [*TP2, "--ffn-hidden-size", "256", "--no-load-args-check", "--load",
                                 _iteration_4(tmp, "tp2_dp2")], None))
@@ -169,18 +179,23 @@ def test_tp_layouts_train_the_same_model(runs):
         assert max(abs(other[i] - base[i]) / base[i] for i in base) <= RTOL, (reference, other, base)
 
 
-def test_export_of_a_tp_checkpoint_is_the_unsplit_model(runs, tmp):
-    for name in ("export_tp2", "export_tp1"):
-        assert "error" not in runs[name], runs[name].get("trace")
-        assert checkpoint_cli(["export", "--checkpoint", os.path.join(tmp, name),
-                               "--output", os.path.join(tmp, f"{name}.pt")]) == 0
-    tp2 = torch.load(os.path.join(tmp, "export_tp2.pt"), weights_only=True)
-    tp1 = torch.load(os.path.join(tmp, "export_tp1.pt"), weights_only=True)
-    assert sorted(tp2) == sorted(tp1)
-    assert tp2["layers.0.attention.qkv.weight"].shape == (64, 32)  # 4 query heads + 2 x 2 KV heads of 8
-    assert tp2["layers.0.mlp.fc1.weight"].shape == (256, 32)  # [gate | up] of 128 each
-    for key in tp1:
-        assert torch.equal(tp2[key], tp1[key]), key
+@pytest.mark.parametrize("split", sorted(EXPORTS))
+def test_export_of_a_model_parallel_checkpoint_is_the_unsplit_model(runs, tmp, split):
+    unsplit = EXPORTS[split][0]
+    exported = {}
+    for name in (split, unsplit):
+        assert "error" not in runs[f"export_{name}"], runs[f"export_{name}"].get("trace")
+        output = os.path.join(tmp, f"export_{name}.pt")
+        assert checkpoint_cli(["export", "--checkpoint", os.path.join(tmp, f"export_{name}"), "--output", output]) == 0
+        exported[name] = torch.load(output, weights_only=True)
+    assert sorted(exported[split]) == sorted(exported[unsplit])
+    if split == "tp2":
+        assert exported[split]["layers.0.attention.qkv.weight"].shape == (64, 32)  # 4 query + 2 x 2 KV heads of 8
+        assert exported[split]["layers.0.mlp.fc1.weight"].shape == (256, 32)  # [gate | up] of 128 each
+    else:
+        assert "layers.1.mlp.local_experts.3.fc1_weight" in exported[split]  # experts by global index
+    for key, value in exported[unsplit].items():
+        assert torch.equal(exported[split][key], value), key
 
 
 def test_tp_checkpoint_into_other_shapes_names_the_parameter(runs):

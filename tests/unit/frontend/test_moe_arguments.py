@@ -36,8 +36,6 @@ def test_expert_data_parallel_size():
     ([*MOE, "--context-parallel-size", "2"], "--num-experts with --context-parallel-size > 1"),
     ([*MOE, "--calculate-per-token-loss"], "--num-experts with --calculate-per-token-loss"),
     ([*MOE, "--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff must be a finite number >= 0"),
-    ([*MOE, "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--expert-model-parallel-size", "2",
-      "--save", "/tmp/moe-ep-never"], "--save/--load with --expert-model-parallel-size > 1 is not supported"),
     ([*MOE, "--use-megatron-fsdp", "--expert-model-parallel-size", "2", "--num-distributed-optimizer-instances",
       "2"], "with --num-distributed-optimizer-instances > 1 (HSDP) is not supported"),
 ])
