@@ -83,6 +83,10 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
          baseline="dropout", last=8, baseline_rtol=0.0),
     _cfg("resume_dropout", 2, " ".join([*FSDP, "optim_grads_params", DROPOUT, "--load {ckpt}-dropout"]),
          baseline="dropout", first=9, baseline_rtol=0.0),
+    # A TP2 x DP1 checkpoint (saved at 8): resumed at TP1 x DP4 below. TP2 matches DP alone within fp32 rounding.
+    _cfg("save_tp2_zero3", 2, " ".join([*FSDP, "optim_grads_params", "--tensor-model-parallel-size 2",
+                                        "--save {ckpt}-tp2 --save-interval 4 --exit-interval 8"]),
+         baseline="optim_grads_params", last=8),
     _cfg("ddp_4", 4, ""),
     _cfg("hsdp_4", 4, " ".join([*FSDP, "optim_grads_params", "--num-distributed-optimizer-instances 2"]),
          baseline="ddp_4"),
@@ -115,6 +119,9 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     # The 2-rank ZeRO-3 checkpoint resumed with CP2 x DP2: the 2-rank run's curve continues.
     _cfg("resume_cp2_4_from_2", 4, " ".join([*FSDP, "optim_grads_params", "--context-parallel-size 2",
                                               "--load {ckpt2}"]), baseline="optim_grads_params", first=9),
+    # The 2-rank TP2 checkpoint resumed at TP1 x DP4 (checkpoints hold the unsplit model): the curve continues.
+    _cfg("resume_4_from_tp2_2", 4, " ".join([*FSDP, "optim_grads_params", "--load {ckpt2}-tp2"]),
+         baseline="optim_grads_params", first=9),
     # The 2-rank dropout checkpoint at 4 ranks: RNG states are not restored (a warning says so).
     _cfg("resume_dropout_4_from_2", 4, " ".join([*FSDP, "optim_grads_params", DROPOUT, "--load {ckpt2}-dropout"]),
          baseline="dropout", first=9, baseline_rtol=OTHER_WORLD_DROPOUT_RTOL),
