@@ -8,10 +8,11 @@ reference's curve: bitwise at the same layout, within 1e-5 relative at another
 model (SwiGLU ``fc1``, grouped-query QKV), and the output layer is untied.
 
 The 4-rank group runs first and leaves its checkpoints; a 2-rank group then resumes
-the TP2 x DP2 one at TP2 x DP1. ``export`` of a TP2 checkpoint must equal the
-export of the same model saved at TP1, bitwise (``--lr 0``: the weights stay the
-initial ones, which are the same at every TP size); the same for EP2 against EP1.
-Expert parallelism: EP2 x EDP2 resumes at EP1 x EDP4 and back.
+the TP2 x DP2 one at TP2 x DP1. The DDP baseline's TP2 checkpoint resumes under FSDP
+at TP1. Expert parallelism: EP2 x EDP2 resumes at EP1 x EDP4 and back. ``export`` of
+a TP2 checkpoint must equal the export of the same model saved at TP1, bitwise
+(``--lr 0``: the weights stay the initial ones, which are the same at every TP size);
+the same for EP2 against EP1.
 """
 
 from __future__ import annotations
@@ -34,28 +35,32 @@ from tests.distributed.harness import error_on_every_rank, spawn_and_collect
 BASE = ("--mock-data --vocab-size 60 --make-vocab-size-divisible-by 32 --num-layers 2 --hidden-size 32 "
         "--num-attention-heads 4 --num-query-groups 2 --swiglu --untie-embeddings-and-output-weights "
         "--seq-length 16 --micro-batch-size 2 --global-batch-size 8 --log-interval 1 --train-iters 8 "
-        "--attention-dropout 0 --hidden-dropout 0 --lr 1e-3 --use-megatron-fsdp --ckpt-format fsdp_dtensor "
-        "--data-parallel-sharding-strategy optim_grads_params").split()
-TP2 = ["--tensor-model-parallel-size", "2"]
+        "--attention-dropout 0 --hidden-dropout 0 --lr 1e-3").split()
+FSDP = "--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy optim_grads_params".split()
+DP = FSDP  # TP 1, data parallelism alone (ZeRO-3)
+DDP_TP2 = ["--tensor-model-parallel-size", "2"]  # the DDP baseline (it saves the same format)
+TP2 = [*FSDP, *DDP_TP2]
 HSDP = ["--num-distributed-optimizer-instances", "2"]
 CP2 = ["--context-parallel-size", "2"]
 MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01".split()
-EP2 = [*MOE, "--expert-model-parallel-size", "2"]
+EP1 = [*FSDP, *MOE]
+EP2 = [*EP1, "--expert-model-parallel-size", "2"]
 RTOL = 1e-5
 # reference run (trains 8, saves at 4) -> [(resumed run, its layout flags, bitwise?)]
 RESUMES_4 = {
-    "tp2_dp2": [("tp2_dp2_from_tp2_dp2", TP2, True), ("tp1_dp4_from_tp2_dp2", [], False)],
+    "tp2_dp2": [("tp2_dp2_from_tp2_dp2", TP2, True), ("tp1_dp4_from_tp2_dp2", DP, False)],
     "tp1_dp4": [("tp2_dp2_from_tp1_dp4", TP2, False)],
-    "tp2_hsdp": [("tp1_dp4_from_tp2_hsdp", [], False), ("tp2_dp2_from_tp2_hsdp", TP2, False)],
-    "tp2_cp2": [("tp1_dp4_from_tp2_cp2", [], False)],
-    "ep2_edp2": [("ep1_edp4_from_ep2_edp2", MOE, False), ("ep2_edp2_from_ep2_edp2", EP2, True)],
+    "tp2_hsdp": [("tp1_dp4_from_tp2_hsdp", DP, False), ("tp2_dp2_from_tp2_hsdp", TP2, False)],
+    "tp2_cp2": [("tp1_dp4_from_tp2_cp2", DP, False)],
+    "ddp_tp2_dp2": [("tp1_dp4_from_ddp_tp2_dp2", DP, False)],
+    "ep2_edp2": [("ep1_edp4_from_ep2_edp2", EP1, False), ("ep2_edp2_from_ep2_edp2", EP2, True)],
     "ep1_edp4": [("ep2_edp2_from_ep1_edp4", EP2, False)],
 }
 RESUMES_2 = {"tp2_dp2": [("tp2_dp1_from_tp2_dp2", TP2, False)]}
-LAYOUTS = {"tp2_dp2": TP2, "tp1_dp4": [], "tp2_hsdp": [*TP2, *HSDP], "tp2_cp2": [*TP2, *CP2], "ep2_edp2": EP2,
-           "ep1_edp4": MOE}
+LAYOUTS = {"tp2_dp2": TP2, "tp1_dp4": DP, "tp2_hsdp": [*TP2, *HSDP], "tp2_cp2": [*TP2, *CP2],
+           "ddp_tp2_dp2": DDP_TP2, "ep2_edp2": EP2, "ep1_edp4": EP1}
 # export of the first equals export of the second (each saved after one step at --lr 0)
-EXPORTS = {"tp2": ("tp1", TP2, []), "ep2": ("ep1", EP2, MOE)}
+EXPORTS = {"tp2": ("tp1", TP2, DP), "ep2": ("ep1", EP2, EP1)}
 
 
 def _iteration_4(tmp: str, reference: str) -> str:
@@ -174,7 +179,7 @@ def test_resumed_curve_continues_the_uninterrupted_one(runs, reference, name, bi
 def test_tp_layouts_train_the_same_model(runs):
     """The references agree with each other (so a resume at another layout is held to the same curve)."""
     base = _losses(runs, "tp1_dp4")
-    for reference in ("tp2_dp2", "tp2_hsdp", "tp2_cp2"):
+    for reference in ("tp2_dp2", "tp2_hsdp", "tp2_cp2", "ddp_tp2_dp2"):
         other = _losses(runs, reference)
         assert max(abs(other[i] - base[i]) / base[i] for i in base) <= RTOL, (reference, other, base)
 
