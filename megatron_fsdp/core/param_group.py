@@ -276,16 +276,27 @@ class ParamGroup:
             raise RuntimeError(
                 f"loading '{key}': the checkpoint holds shape {tuple(value.shape)}, the parameter has {slot.shape}"
             )
+        return self.relayout(index, value, self.dtype)
+
+    def in_our_layout(self, index: int, value: DTensor) -> bool:
+        """``value``'s placements are exactly parameter ``index``'s (types and row counts)."""
+        ours = self._placements(index)
+        return list(value.placements) == ours and all(type(a) is type(b) for a, b in zip(value.placements, ours))
+
+    def relayout(self, index: int, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``value`` (shaped like parameter ``index``: full, or a DTensor in any layout) in its layout.
+
+        Collective when ``value`` is a DTensor not in our layout; every rank takes the same
+        branch (the placements are the same on all ranks).
+        """
         if isinstance(value, DTensor):
-            if list(value.placements) == self._placements(index) and all(
-                type(a) is type(b) for a, b in zip(value.placements, self._placements(index))
-            ):
+            if self.in_our_layout(index, value):
                 return value  # already in our layout (a sharded state dict of this model)
             if self._holds_our_rows(value, index):
-                local = value.to_local().detach().to(device=self.shard.device, dtype=self.dtype)
+                local = value.to_local().detach().to(device=self.shard.device, dtype=dtype)
                 return self.as_dtensor(index, local.contiguous())
             value = full_tensor(value)
-        local = self._local_rows(value.detach().to(device=self.shard.device, dtype=self.dtype), index)
+        local = self._local_rows(value.detach().to(device=self.shard.device, dtype=dtype), index)
         return self.as_dtensor(index, local.contiguous())
 
     def _holds_our_rows(self, value: DTensor, index: int) -> bool:
@@ -646,6 +657,16 @@ class ParamGroup:
             param.__dict__.pop("main_grad", None)
         else:
             param.main_grad = param.grad
+
+    def sync_sharded_main_grads(self) -> None:
+        """Re-point every sharded ``main_grad`` at ``.grad`` (dropping it where ``.grad`` is None).
+
+        ``optimizer.zero_grad()`` sets ``.grad`` to None but cannot know of the alias, so a
+        parameter that gets no gradient in the next backward would otherwise keep last
+        step's gradient as ``main_grad`` for Megatron-LM's optimizer and clipping to read.
+        """
+        for index in self._grad_indices:
+            self._sync_sharded_main_grad(index)
 
     def end_backward(self) -> None:
         """Reset the per-backward gradient bookkeeping; drop the post-forward shard."""

@@ -19,6 +19,8 @@ else.
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Sequence
 
 import torch
@@ -108,6 +110,9 @@ class RaggedShard(Shard):
     ) -> torch.Tensor:
         num_chunks = mesh.size(mesh_dim=mesh_dim)
         self._check(int(current_logical_shape[self.dim]), num_chunks)
+        if math.prod(current_logical_shape) == 0:
+            # Nothing to gather (e.g. a (5, 9, 0) parameter); every rank knows the shape.
+            return local_tensor.new_empty(tuple(map(int, current_logical_shape)))
         biggest = max(self.local_sizes)
         pad = biggest - local_tensor.size(self.dim)
         if pad:
@@ -187,3 +192,26 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
                     "parameter (or its gradient / optimizer state) instead"
                 )
     return tensor.full_tensor()
+
+
+def deepcopyable(tensor: DTensor) -> DTensor:
+    """``tensor`` (a DTensor over a view into a flat shard), made to survive ``copy.deepcopy``.
+
+    torch 2.13 gives a DTensor the storage offset of its local tensor, so the wrapper of a
+    shard view reports a non-null ``data_ptr`` and ``Tensor.__deepcopy__`` then reads a
+    storage the wrapper does not have ("invalid python storage"). ``copy.deepcopy`` looks
+    ``__deepcopy__`` up on the instance first: this one copies the local tensor (through the
+    memo, so entries viewing one flat shard still share one copy) and keeps the placements.
+    A tensor whose wrapper reports a null pointer is returned as it is.
+    """
+    if tensor.data_ptr() == 0:
+        return tensor
+
+    def _deepcopy(memo: dict) -> DTensor:
+        local = copy.deepcopy(tensor.to_local(), memo)
+        result = DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+                                    shape=tensor.shape, stride=tensor.stride())
+        return deepcopyable(result.requires_grad_(tensor.requires_grad))
+
+    tensor.__deepcopy__ = _deepcopy
+    return tensor
