@@ -46,7 +46,7 @@ from megatron_fsdp.memory.grad_buffers import GradSpares
 from megatron_fsdp.sharding.layout import FlatLayout, alignment_numel, build_flat_layout
 from megatron_fsdp.sharding.mesh import DataParallelMesh
 from megatron_fsdp.sharding.outer_shard import gather_compute_shard, outer_shard_geometry
-from megatron_fsdp.sharding.ragged_shard import RaggedShard, full_tensor, shard_sizes
+from megatron_fsdp.sharding.ragged_shard import RaggedShard, full_tensor, shard_sizes, without_storage_offset
 from megatron_fsdp.sharding.strategy import ShardingPlan
 
 # Per-object gradient bookkeeping set by the engine on its own parameters: never carried to another one.
@@ -335,7 +335,7 @@ class ParamGroup:
         full_stride = torch.empty(slot.shape, device="meta").stride()
         mesh = self.dp.mesh if self.outer is None else self.outer.flat_mesh
         return DTensor.from_local(
-            local, mesh, self._placements(index), run_check=False,
+            without_storage_offset(local), mesh, self._placements(index), run_check=False,
             shape=torch.Size(slot.shape), stride=full_stride,
         )
 

@@ -7,7 +7,6 @@ parameters of its module's subtree that no already-sharded descendant owns.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -257,8 +256,6 @@ def shard_module(
         _move_buffers(mod, device)
         mod.register_state_dict_pre_hook(unit.release_before_state_dict)
         mod.register_load_state_dict_pre_hook(unit.prepare_state_dict_for_load)
-        # torch marks the hook object itself, which a bound method refuses: a partial takes it.
-        mod.register_state_dict_post_hook(functools.partial(type(unit).make_state_dict_copyable, unit))
     step_guard.watch(unit)
     for mod in modules:
         make_fsdp_module(mod, unit)

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from megatron_fsdp.comm.collectives import CommConfig, CommStats
@@ -35,7 +34,6 @@ from megatron_fsdp.core.param_group import ParamGroup
 from megatron_fsdp.core.state import RootState
 from megatron_fsdp.memory.allocator import pool_for
 from megatron_fsdp.memory.grad_buffers import GradSpares
-from megatron_fsdp.sharding.ragged_shard import deepcopyable
 from megatron_fsdp.sharding.strategy import ShardingPlan
 
 
@@ -294,14 +292,6 @@ class FSDPUnit:
         for group, index, key in self._state_keys(module, state_dict, prefix):
             state_dict[key] = group.loadable(index, state_dict[key], key)
         self.mark_weights_stale()  # the main weights are about to change
-
-    def make_state_dict_copyable(self, module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
-        """``state_dict`` post-hook: entries that view a flat shard survive ``copy.deepcopy``
-        (``sharding.ragged_shard.deepcopyable``), as FSDP2's do."""
-        for _group, _index, key in self._state_keys(module, state_dict, prefix):
-            value = state_dict[key]
-            if isinstance(value, DTensor):
-                deepcopyable(value)
 
     def _state_keys(self, module: nn.Module, state_dict: dict, prefix: str) -> Iterator[tuple[ParamGroup, int, str]]:
         """(group, index, key) of this unit's parameters registered under ``module`` and present in ``state_dict``.

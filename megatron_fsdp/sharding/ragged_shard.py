@@ -19,7 +19,6 @@ else.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Sequence
 
@@ -194,24 +193,22 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor()
 
 
-def deepcopyable(tensor: DTensor) -> DTensor:
-    """``tensor`` (a DTensor over a view into a flat shard), made to survive ``copy.deepcopy``.
 
-    torch 2.13 gives a DTensor the storage offset of its local tensor, so the wrapper of a
-    shard view reports a non-null ``data_ptr`` and ``Tensor.__deepcopy__`` then reads a
-    storage the wrapper does not have ("invalid python storage"). ``copy.deepcopy`` looks
-    ``__deepcopy__`` up on the instance first: this one copies the local tensor (through the
-    memo, so entries viewing one flat shard still share one copy) and keeps the placements.
-    A tensor whose wrapper reports a null pointer is returned as it is.
+def without_storage_offset(local: torch.Tensor) -> torch.Tensor:
+    """``local`` (a view into a flat buffer) as a tensor over the same memory at storage offset 0.
+
+    torch gives a DTensor the storage offset of its local tensor (pytorch#167597, "never
+    rank dependent"), but our shard views sit at offsets that differ by rank and parameter.
+    The wrapper, which has no storage, then reports a non-null ``data_ptr``, and
+    ``copy.deepcopy``, ``torch.save`` and pickling of the DTensor (``state_dict()`` entries,
+    ``.grad``) fail with "invalid python storage". A slice of the untyped storage aliases
+    the same bytes (writes either way are seen) and keeps the flat buffer alive.
     """
-    if tensor.data_ptr() == 0:
-        return tensor
-
-    def _deepcopy(memo: dict) -> DTensor:
-        local = copy.deepcopy(tensor.to_local(), memo)
-        result = DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
-                                    shape=tensor.shape, stride=tensor.stride())
-        return deepcopyable(result.requires_grad_(tensor.requires_grad))
-
-    tensor.__deepcopy__ = _deepcopy
-    return tensor
+    if local.storage_offset() == 0:
+        return local
+    if local.numel() == 0:
+        return local.new_empty(local.shape)
+    start = local.storage_offset() * local.element_size()
+    extent = (sum((n - 1) * s for n, s in zip(local.shape, local.stride())) + 1) * local.element_size()
+    storage = local.untyped_storage()[start : start + extent]
+    return local.new_empty(0).set_(storage, 0, local.shape, local.stride())

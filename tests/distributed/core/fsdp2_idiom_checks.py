@@ -7,6 +7,7 @@ compared with a reference that holds the same weights unsharded.
 from __future__ import annotations
 
 import copy
+import io
 
 import torch
 import torch.distributed as dist
@@ -130,10 +131,17 @@ def full_optimizer_state_dict_loads_into_a_fresh_optimizer(broadcast: bool) -> N
         for step in range(2):
             _train_step(model, opt, step)
         saved = copy.deepcopy(get_optimizer_state_dict(model, opt, options=options))  # `step` tensors alias
-        weights = copy.deepcopy(model.state_dict())  # views into the flat shard (failed in torch 2.13)
+        weights = copy.deepcopy(model.state_dict())  # shard views at rank-dependent offsets (failed in torch 2.13)
+        pickled = io.BytesIO()
+        torch.save({"model": model.state_dict(), "grads": [p.grad for p in model.parameters()]}, pickled)
+        pickled.seek(0)
+        restored = torch.load(pickled, weights_only=False)["model"]
+        for key, value in model.state_dict().items():
+            assert torch.equal(restored[key].to_local(), value.to_local()), key
         for key, value in model.state_dict().items():
             assert weights[key].placements == value.placements, key
-            assert weights[key].to_local().data_ptr() != value.to_local().data_ptr() or not value.to_local().numel(), key
+            local = value.to_local()
+            assert weights[key].to_local().data_ptr() != local.data_ptr() or not local.numel(), key
             assert torch.equal(weights[key].to_local(), value.to_local()), key
         for step in range(2, 4):
             _train_step(model, opt, step)
