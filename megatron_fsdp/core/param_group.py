@@ -46,7 +46,7 @@ from megatron_fsdp.memory.grad_buffers import GradSpares
 from megatron_fsdp.sharding.layout import FlatLayout, alignment_numel, build_flat_layout
 from megatron_fsdp.sharding.mesh import DataParallelMesh
 from megatron_fsdp.sharding.outer_shard import gather_compute_shard, outer_shard_geometry
-from megatron_fsdp.sharding.ragged_shard import RaggedShard, full_tensor, shard_sizes
+from megatron_fsdp.sharding.ragged_shard import RaggedShard, full_tensor, shard_sizes, without_storage_offset
 from megatron_fsdp.sharding.strategy import ShardingPlan
 
 # Per-object gradient bookkeeping set by the engine on its own parameters: never carried to another one.
@@ -276,16 +276,27 @@ class ParamGroup:
             raise RuntimeError(
                 f"loading '{key}': the checkpoint holds shape {tuple(value.shape)}, the parameter has {slot.shape}"
             )
+        return self.relayout(index, value, self.dtype)
+
+    def in_our_layout(self, index: int, value: DTensor) -> bool:
+        """``value``'s placements are exactly parameter ``index``'s (types and row counts)."""
+        ours = self._placements(index)
+        return list(value.placements) == ours and all(type(a) is type(b) for a, b in zip(value.placements, ours))
+
+    def relayout(self, index: int, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``value`` (shaped like parameter ``index``: full, or a DTensor in any layout) in its layout.
+
+        Collective when ``value`` is a DTensor not in our layout; every rank takes the same
+        branch (the placements are the same on all ranks).
+        """
         if isinstance(value, DTensor):
-            if list(value.placements) == self._placements(index) and all(
-                type(a) is type(b) for a, b in zip(value.placements, self._placements(index))
-            ):
+            if self.in_our_layout(index, value):
                 return value  # already in our layout (a sharded state dict of this model)
             if self._holds_our_rows(value, index):
-                local = value.to_local().detach().to(device=self.shard.device, dtype=self.dtype)
+                local = value.to_local().detach().to(device=self.shard.device, dtype=dtype)
                 return self.as_dtensor(index, local.contiguous())
             value = full_tensor(value)
-        local = self._local_rows(value.detach().to(device=self.shard.device, dtype=self.dtype), index)
+        local = self._local_rows(value.detach().to(device=self.shard.device, dtype=dtype), index)
         return self.as_dtensor(index, local.contiguous())
 
     def _holds_our_rows(self, value: DTensor, index: int) -> bool:
@@ -324,7 +335,7 @@ class ParamGroup:
         full_stride = torch.empty(slot.shape, device="meta").stride()
         mesh = self.dp.mesh if self.outer is None else self.outer.flat_mesh
         return DTensor.from_local(
-            local, mesh, self._placements(index), run_check=False,
+            without_storage_offset(local), mesh, self._placements(index), run_check=False,
             shape=torch.Size(slot.shape), stride=full_stride,
         )
 
@@ -646,6 +657,16 @@ class ParamGroup:
             param.__dict__.pop("main_grad", None)
         else:
             param.main_grad = param.grad
+
+    def sync_sharded_main_grads(self) -> None:
+        """Re-point every sharded ``main_grad`` at ``.grad`` (dropping it where ``.grad`` is None).
+
+        ``optimizer.zero_grad()`` sets ``.grad`` to None but cannot know of the alias, so a
+        parameter that gets no gradient in the next backward would otherwise keep last
+        step's gradient as ``main_grad`` for Megatron-LM's optimizer and clipping to read.
+        """
+        for index in self._grad_indices:
+            self._sync_sharded_main_grad(index)
 
     def end_backward(self) -> None:
         """Reset the per-backward gradient bookkeeping; drop the post-forward shard."""

@@ -145,5 +145,7 @@ class RootState:
         step_may_follow = self.root.optimizer_step_may_follow
         for unit, keep in zip(self.units, kept):
             unit.finish_backward(keep_weights=keep)
+            for group in unit.groups:
+                group.sync_sharded_main_grads()
         if step_may_follow:
             self.root.pool.end_of_backward()

@@ -64,21 +64,21 @@ def _module_name(unit: FSDPUnit) -> str:
     return cls
 
 
-def _storage(tensor: torch.Tensor) -> int:
+def _address(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.untyped_storage().data_ptr()
+    return local.data_ptr() if local.numel() else 0
 
 
 def _stepped_by(optimizer: torch.optim.Optimizer) -> Callable[[ParamGroup], bool]:
-    """Does ``optimizer`` hold a parameter of a group? By identity, or by storage: while
+    """Does ``optimizer`` hold a parameter of a group? By identity, or by address: while
     ``fully_shard_optimizer`` steps on local shards, ``param_groups`` hold plain aliases
-    of the groups' main shards."""
+    of the groups' parameter shards (each its own storage slice over the main shard)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     ids = {id(p) for p in params}
-    storages = {_storage(p) for p in params} - {0}
+    addresses = {_address(p) for p in params} - {0}
 
     def holds(group: ParamGroup) -> bool:
-        return any(id(p) in ids for p in group.sharded_params) or _storage(group.shard) in storages
+        return any(id(p) in ids or _address(p) in addresses for p in group.sharded_params)
 
     return holds
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -288,9 +288,16 @@ class FSDPUnit:
     def prepare_state_dict_for_load(self, module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
         """``load_state_dict`` pre-hook: re-cut incoming values into our shards.
 
-        Keys are found through the (module, attribute) uses under ``module``: a
-        grouped unit registers this hook on each of its modules, and each sees
-        only the parameters registered under itself.
+        """
+        for group, index, key in self._state_keys(module, state_dict, prefix):
+            state_dict[key] = group.loadable(index, state_dict[key], key)
+        self.mark_weights_stale()  # the main weights are about to change
+
+    def _state_keys(self, module: nn.Module, state_dict: dict, prefix: str) -> Iterator[tuple[ParamGroup, int, str]]:
+        """(group, index, key) of this unit's parameters registered under ``module`` and present in ``state_dict``.
+
+        Keys are found through the (module, attribute) uses under ``module``: a grouped unit
+        registers its hooks on each of its modules, and each sees only its own parameters.
         """
         names = _own_module_names(module)
         for group in self.groups:
@@ -300,8 +307,7 @@ class FSDPUnit:
                         continue
                     key = prefix + (f"{names[id(owner)]}." if names[id(owner)] else "") + attr
                     if key in state_dict:
-                        state_dict[key] = group.loadable(index, state_dict[key], key)
-        self.mark_weights_stale()  # the main weights are about to change
+                        yield group, index, key
 
     # -- forward ------------------------------------------------------------
     def _lazy_init_root(self) -> None:

@@ -44,6 +44,7 @@ from megatron_fsdp.core.steps import (
 )
 from megatron_fsdp.optim.grad_norm import check_grads_finite
 from megatron_fsdp.optim.local_step import on_local_shards, steppable_locally
+from megatron_fsdp.optim.state_layout import check_before_step
 
 _WRAPPED = "_megatron_fsdp_optimizer"
 
@@ -119,6 +120,7 @@ def fully_shard_optimizer(
             if check_for_nan_in_grad:
                 check_grads_finite(named_sharded_parameters(units))
 
+        check_before_step(self)  # before on_local_shards hides the parameters behind local aliases
         if closure is None:
             prepare()
             local = getattr(self, _WRAPPED)["step_on_local_shards"] and steppable_locally(self)

@@ -37,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from megatron_fsdp.core import step_guard
 from megatron_fsdp.optim.local_step import on_local_shards, steppable_locally
 from megatron_fsdp.optim.optimizer import _WRAPPED  # fully_shard_optimizer's marker
+from megatron_fsdp.optim.state_layout import check_before_step
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
@@ -74,6 +75,7 @@ def _ours(optimizer: torch.optim.Optimizer) -> bool:
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _put_back(optimizer)  # a previous step that raised
+    check_before_step(optimizer)  # state cut at torch.chunk boundaries by a full-state load
     if type(optimizer) not in ELEMENTWISE or getattr(optimizer, _WRAPPED, None) is not None:
         return
     if len(args) > 1 or kwargs.get("closure") is not None:  # args[0] is the optimizer itself

@@ -93,6 +93,10 @@ class FlatLayout:
     def piece(self, index: int, rank: int) -> ShardPiece:
         """Rows of parameter ``index`` held by ``rank`` (row_count may be 0)."""
         slot = self.slots[index]
+        if slot.numel == 0:
+            # No elements, but dim 0 may still have rows ((5, 9, 0)): rank 0 holds them all,
+            # so the ranks' row counts add up to the shape the DTensor reports.
+            return ShardPiece(0, slot.rows, 0) if rank == 0 else ShardPiece(slot.rows, 0, 0)
         lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
         if end <= start:
@@ -110,8 +114,8 @@ class FlatLayout:
         O(parameters + ranks), not O(parameters x ranks) (docs/scale.md).
         """
         slot, n = self.slots[index], self.shard_numel
-        if slot.numel == 0 or n == 0:
-            return (0,) * self.world_size
+        if slot.numel == 0:  # rows without elements: all on rank 0 (see ``piece``)
+            return (slot.rows,) + (0,) * (self.world_size - 1)
         first, last = slot.offset // n, (slot.offset + slot.numel - 1) // n
         if first == last:
             held: tuple[int, ...] = (slot.rows,)

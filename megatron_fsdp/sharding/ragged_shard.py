@@ -19,6 +19,7 @@ else.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -108,6 +109,9 @@ class RaggedShard(Shard):
     ) -> torch.Tensor:
         num_chunks = mesh.size(mesh_dim=mesh_dim)
         self._check(int(current_logical_shape[self.dim]), num_chunks)
+        if math.prod(current_logical_shape) == 0:
+            # Nothing to gather (e.g. a (5, 9, 0) parameter); every rank knows the shape.
+            return local_tensor.new_empty(tuple(map(int, current_logical_shape)))
         biggest = max(self.local_sizes)
         pad = biggest - local_tensor.size(self.dim)
         if pad:
@@ -187,3 +191,24 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
                     "parameter (or its gradient / optimizer state) instead"
                 )
     return tensor.full_tensor()
+
+
+
+def without_storage_offset(local: torch.Tensor) -> torch.Tensor:
+    """``local`` (a view into a flat buffer) as a tensor over the same memory at storage offset 0.
+
+    torch gives a DTensor the storage offset of its local tensor (pytorch#167597, "never
+    rank dependent"), but our shard views sit at offsets that differ by rank and parameter.
+    The wrapper, which has no storage, then reports a non-null ``data_ptr``, and
+    ``copy.deepcopy``, ``torch.save`` and pickling of the DTensor (``state_dict()`` entries,
+    ``.grad``) fail with "invalid python storage". A slice of the untyped storage aliases
+    the same bytes (writes either way are seen) and keeps the flat buffer alive.
+    """
+    if local.storage_offset() == 0:
+        return local
+    if local.numel() == 0:
+        return local.new_empty(local.shape)
+    start = local.storage_offset() * local.element_size()
+    extent = (sum((n - 1) * s for n, s in zip(local.shape, local.stride())) + 1) * local.element_size()
+    storage = local.untyped_storage()[start : start + extent]
+    return local.new_empty(0).set_(storage, 0, local.shape, local.stride())
