@@ -67,11 +67,11 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, cp: ContextParallel, dim: int) -> torch.Tensor:
         ctx.cp, ctx.dim = cp, dim
-        return gather_along(x, cp.group, cp.size, dim)
+        return gather_along(x, cp.group, cp.size, dim, kind="cp")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return reduce_scatter_along(grad, ctx.cp.group, ctx.cp.size, ctx.dim), None, None
+        return reduce_scatter_along(grad, ctx.cp.group, ctx.cp.size, ctx.dim, kind="cp"), None, None
 
 
 def gather_sequence(x: torch.Tensor, cp: ContextParallel, dim: int) -> torch.Tensor:

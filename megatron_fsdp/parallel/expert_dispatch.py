@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_fsdp.parallel.comm_bytes import record
+
 
 @dataclass(frozen=True)
 class ExpertParallel:
@@ -65,6 +67,7 @@ def _exchange(x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
               group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    record("ep_all_to_all", x)
     dist.all_to_all_single(out, x, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group)
     return out
 
@@ -84,6 +87,7 @@ def exchange_counts(counts: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
     if ep.size == 1:
         return counts.clone()
     received = torch.empty_like(counts)
+    record("ep_all_to_all", counts)
     dist.all_to_all_single(received, counts.contiguous(), group=ep.group)
     return received
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from megatron_fsdp.parallel.comm_bytes import record
 from megatron_fsdp.parallel.tp_group import TensorParallel
 
 
@@ -29,6 +30,7 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], tp: Tensor
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
+    record("tp_all_reduce", flat)
     dist.all_reduce(flat, group=tp.group)
     offset = 0
     for grad in grads:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_fsdp.parallel.comm_bytes import record
 from megatron_fsdp.parallel.tp_group import TensorParallel
 
 SEQUENCE_DIM = 1
@@ -35,6 +36,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 def _all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     x = x.contiguous().clone()  # never reduce into a tensor autograd saved
+    record("tp_all_reduce", x)
     dist.all_reduce(x, group=tp.group)
     return x
 
@@ -44,17 +46,24 @@ def _split(x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
     return x.narrow(dim, tp.rank * width, width).contiguous()
 
 
-def gather_along(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, dim: int) -> torch.Tensor:
-    """Every rank's ``x`` of ``group`` (``size`` ranks) concatenated along ``dim``, in rank order."""
+def gather_along(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, dim: int, kind: str = "tp"
+                 ) -> torch.Tensor:
+    """Every rank's ``x`` of ``group`` (``size`` ranks) concatenated along ``dim``, in rank order.
+
+    ``kind``: which parallelism the bytes count under (``comm_bytes``).
+    """
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    record(f"{kind}_all_gather", out)
     _all_gather_flat(out, x, group=group)
     return out.movedim(0, dim)
 
 
-def reduce_scatter_along(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, dim: int) -> torch.Tensor:
+def reduce_scatter_along(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, dim: int, kind: str = "tp"
+                         ) -> torch.Tensor:
     """``x`` summed over ``group``; this rank keeps its ``1/size`` slice along ``dim`` (which must divide)."""
     x = x.movedim(dim, 0).contiguous()
+    record(f"{kind}_reduce_scatter", x)
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter_flat(out, x, group=group)
     return out.movedim(0, dim)

@@ -15,11 +15,13 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron.training.gpt_model import GPTConfig, GPTModel
+from megatron_fsdp import FSDPModule, comm_stats, fully_shard
 from megatron_fsdp.optim.grad_norm import get_grad_norm
 from megatron_fsdp.parallel import (
     ContextParallel,
     TensorParallel,
     allreduce_sequence_parallel_grads,
+    model_parallel_stats,
     params_for_grad_norm,
     vocab_parallel_cross_entropy,
 )
@@ -201,3 +203,52 @@ def sizes_that_do_not_divide_name_their_flag():
             assert flag in str(error) and "--tensor-model-parallel-size (2)" in str(error), error
         else:
             raise AssertionError(f"{overrides}: no error")
+
+
+@check(SUITE, world_sizes=(4,))
+def fsdp_bytes_at_tp2_dp2_are_the_zero3_minimum_of_the_slice():
+    """TP2 x DP2, ZeRO-3 per layer: the engine's bytes per step are the ZeRO-3 minimum of this TP
+    rank's slice (gathers twice for non-root units, one reduce-scatter), and the TP collectives
+    are counted apart (model_parallel_stats): 2 + 4 x layers activation all-reduces plus the
+    vocabulary-parallel cross-entropy's 3 per-token ones, and nothing else."""
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = TensorParallel.from_group(mesh.get_group("tp"))
+    config = _config()
+    torch.manual_seed(7)
+    model = GPTModel(config, tp).to(device())
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    batch, seq = 2, 8
+    g = torch.Generator().manual_seed(mesh.get_local_rank("dp"))  # data differs over DP, not over TP
+    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=g).to(device())
+
+    def step() -> None:
+        model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+
+    step()  # lazy init
+    comm_stats.reset()
+    model_parallel_stats.reset()
+    step()
+    gather = reduce = sharded = padding = 0
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            unit = module.fsdp_unit
+            for group in unit.groups:
+                sharded += group.layout.param_numel
+                padding += group.layout.padding_numel
+                nbytes = group.layout.total_numel * group.shard.element_size()
+                gather += nbytes if unit.is_root else 2 * nbytes
+                reduce += nbytes if group.requires_grad else 0
+    fsdp = {k: v for k, v in comm_stats.bytes.items() if k != "control"}
+    assert fsdp == {"all_gather": gather, "reduce_scatter": reduce}, (fsdp, gather, reduce)
+    activation = batch * seq * config.hidden_size * 4
+    expected_tp = (2 + 4 * config.num_layers) * activation + 3 * batch * seq * 4
+    assert dict(model_parallel_stats.bytes) == {"tp_all_reduce": expected_tp}, (
+        dict(model_parallel_stats.bytes), expected_tp)
+    # FSDP shards this TP rank's slice (TP-sharded weights at half size, replicated ones whole),
+    # not the full model; the gathered bytes above are that slice plus the layout's row padding.
+    local = sum(p.numel() for p in GPTModel(config, tp).parameters())
+    full = sum(p.numel() for p in GPTModel(config).parameters())
+    assert sharded == local < full, (sharded, local, full)
+    assert padding <= 0.05 * local, (padding, local)
