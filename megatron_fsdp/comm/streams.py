@@ -81,6 +81,8 @@ class CudaStreams:
         return torch.cuda.current_stream(device)
 
     def side(self, kind: str, device: torch.device) -> torch.cuda.Stream:
+        if device.index is None:  # "cuda" and "cuda:<current>" are one device: one stream of each kind
+            device = torch.device("cuda", torch.cuda.current_device())
         key = (kind, device)
         stream = self._streams.get(key)
         if stream is None:
