@@ -127,3 +127,32 @@ def test_sharded_training_with_pool_and_streams_matches_plain_model(nccl_group):
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6)
     assert default_pool().lent_bytes == 0
+
+
+def test_all_gather_does_not_queue_behind_a_reduce_scatter_of_another_group(nccl_group):
+    """A prefetch all-gather overtakes a late reduce-scatter: different side streams and process groups.
+
+    The engine reduces on a copy of the shard group (core/schedule.py), so the two kinds run
+    on different NCCL communicators and internal streams (docs/design.md section 5b). A
+    reduce-scatter held back by a long sleep on its side stream must not delay an all-gather
+    issued after it.
+    """
+    from megatron_fsdp.comm.collectives import all_gather, reduce_scatter
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    reduce_group = dist.new_group([0])
+    grads = torch.ones(1 << 20, device=device)
+    reduced = torch.empty_like(grads)
+    shard = torch.full((1 << 20,), 7.0, device=device)
+    gathered = torch.empty_like(shard)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(CUDA_STREAMS.side("reduce_scatter", device)):
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s or more
+    late = reduce_scatter(reduced, grads, reduce_group)
+    prefetch = all_gather(gathered, shard, dist.group.WORLD)
+    prefetch._works[0].event.synchronize()  # the all-gather finished ...
+    assert not late._works[0].is_completed(), "the all-gather waited behind the reduce-scatter"  # ... first
+    prefetch.wait()
+    late.wait()
+    torch.cuda.current_stream().synchronize()
+    assert torch.equal(gathered, shard) and torch.equal(reduced, grads)
