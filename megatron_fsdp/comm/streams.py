@@ -5,11 +5,13 @@ its own internal stream and ``work.wait()`` makes whichever stream calls it wait
 side stream it was issued from takes no part in the ordering. FSDP2
 (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``, ``foreach_all_gather`` and
 ``foreach_reduce``) instead issues the collective synchronously (``async_op=False``) inside
-``with torch.cuda.stream(side)``: the side stream then waits for NCCL's stream, an event
-recorded on the side stream marks the end of the collective, the consumer stream waits
-on that event (a device-side wait: the host never blocks), and the tensors the
-collective reads or writes are kept referenced until the consumer has waited
-(FSDP2's ``AllGatherState`` / ``ReduceScatterState`` / ``AllReduceState``). This module
+``with torch.cuda.stream(side)``: it then lands in the side stream's queue (launched on the
+current stream since pytorch/pytorch#150398, joined back into it before), an event
+recorded on the side stream marks its end, the consumer stream waits on that event (a
+device-side wait: the host never blocks), and the tensors the collective reads or writes
+are kept referenced until the consumer has waited (FSDP2's ``AllGatherState`` /
+``ReduceScatterState`` / ``AllReduceState``; ProcessGroupNCCL no longer keeps the tensors
+of synchronous collectives alive). This module
 does the same through a small interface, ``StreamProvider``, so that the order of
 operations can be checked on CPU with stand-in streams (tests/unit/comm/).
 
