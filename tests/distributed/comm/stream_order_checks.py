@@ -86,12 +86,13 @@ def side_stream_path_matches_plain(strategy: str) -> None:
     compare_with_plain_and_ddp(streams, sharding_strategy=strategy)
     kinds = {op.stream for op in streams.ops(what="record")}
     assert kinds == {"all_gather", "reduce_scatter"}, kinds
-    # every collective's stream waited for the compute stream before it ran
+    # every collective's stream waited for the compute stream (the producer) before it ran
     for kind in kinds:
-        entered = [i for i, op in enumerate(streams.log) if op == Op(kind, "enter")]
-        for i in entered:
-            before = [op for op in streams.log[:i] if op.stream == kind][-1:]
-            assert before and before[0].what in ("wait_stream", "wait_event"), (kind, before)
+        since_exit: list[Op] = []
+        for op in streams.ops(kind):
+            if op.what == "enter":
+                assert Op(kind, "wait_stream", "compute") in since_exit, (kind, since_exit)
+            since_exit = [] if op.what == "exit" else [*since_exit, op]
 
 
 def check_outer_waited_at_drain(streams: RecordingStreams) -> None:
