@@ -44,9 +44,12 @@ def gather_tracker_states(tracker: RNGTracker | None) -> list[dict[str, torch.Te
     """Every rank's tracker states, indexed by rank (collective when a process group is up).
 
     None when no rank has states to save (no megatron-core, or its tracker was never
-    seeded: the plain GPT model), so checkpoints of such runs stay as they were.
+    seeded: the plain GPT model), so checkpoints of such runs stay as they were. Without
+    megatron-core (the same on every rank of a job) no collective is issued.
     """
-    states = {k: v.cpu() for k, v in tracker.get_states().items()} if tracker is not None else {}
+    if tracker is None:
+        return None
+    states = {k: v.cpu() for k, v in tracker.get_states().items()}
     if dist.is_available() and dist.is_initialized():
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, states)

@@ -20,20 +20,7 @@ from megatron.training import checkpointing
 from megatron.training.config import RunState
 from megatron.training.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.rng_tracker import TRACKER_KEY, gather_tracker_states, restore_tracker_states
-
-
-class FakeTracker:
-    """megatron-core's ``CudaRNGStatesTracker`` surface: named RNG states (byte tensors)."""
-
-    def __init__(self, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.states = {"model-parallel-rng": torch.randint(0, 255, (16,), dtype=torch.uint8, generator=gen)}
-
-    def get_states(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.states.items()}
-
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self.states = dict(states)
+from tests.fake_rng_tracker import FakeTracker
 
 
 def test_single_process_round_trip_and_refusals():
