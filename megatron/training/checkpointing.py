@@ -43,6 +43,7 @@ from .config import RunState
 from .initialize import print_rank_0
 from .optimizer_param_scheduler import OptimizerParamScheduler
 from .parallel_state import ParallelLayout
+from .rng_tracker import TRACKER_KEY, gather_tracker_states, mcore_rng_tracker, restore_tracker_states
 
 # The flags that define the model a checkpoint holds (compared at --load; saved in extra.pt's "args").
 MODEL_ARGS = (
@@ -104,6 +105,9 @@ def save(args: argparse.Namespace, state: RunState, module: nn.Module, optimizer
         "consumed_valid_samples": state.consumed_valid_samples,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
     }
+    tracker_states = gather_tracker_states(mcore_rng_tracker())  # megatron-core's CUDA RNG tracker (rng_tracker.py)
+    if tracker_states is not None:
+        extra[TRACKER_KEY] = tracker_states
     path = save_checkpoint(args.save, state.iteration, module, optimizer, extra=extra,
                            model_parallel=model_parallel(args, layout))
     print_rank_0(f"  successfully saved checkpoint from iteration {state.iteration:7d} to {path}")
@@ -205,6 +209,10 @@ def load(args: argparse.Namespace, module: nn.Module, optimizer: torch.optim.Opt
         check_extra=_check_extra(args), model_parallel=model_parallel(args, layout),
     )
     print_rank_0(f"  successfully loaded checkpoint from {args.load} at iteration {loaded.iteration}")
+    warning = restore_tracker_states(mcore_rng_tracker(), loaded.extra, rng_restored=loaded.rng_restored,
+                                     where=f"--load {args.load}")
+    if warning is not None:
+        print_rank_0(warning)
     if finetune:
         return RunState()
     extra = loaded.extra

@@ -25,6 +25,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_fsdp.comm.streams import CUDA_STREAMS, Event, StreamProvider, StreamWork, on_side_stream
+
 # torch 2.13 renamed the flat-tensor collectives; 2.11 only has the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -64,6 +66,16 @@ class CommConfig:
     gloo_fast_paths: bool = True
     side_streams: bool = True
     stats: CommStats | None = None
+    # Where side streams come from; None: CUDA's, for tensors on a CUDA device (stand-ins in tests).
+    streams: StreamProvider | None = None
+
+    def stream_provider(self, device: torch.device) -> StreamProvider | None:
+        """The side streams collectives on ``device`` run on, or None (off, or no streams: CPU)."""
+        if not self.side_streams:
+            return None
+        if self.streams is not None:
+            return self.streams
+        return CUDA_STREAMS if device.type == "cuda" else None
 
     def record(self, kind: str, tensor: torch.Tensor) -> None:
         comm_stats.record(kind, tensor)
@@ -105,6 +117,21 @@ class Pending:
         self._works.append(work)
         if self.error is None:
             _in_flight.add(self)
+
+    def take_over(self, other: Pending | None) -> None:
+        """Hold ``other``'s works from now on, to be waited for with this handle's (a chained producer).
+
+        Used when a collective was ordered after ``other`` on the device (``after=``): whoever
+        waits for the consumer's result then also waits on the producer's events, which
+        releases the tensors the producer holds. ``other`` is left empty (``done`` if it was
+        not failed; a failed one keeps its error and is not taken over).
+        """
+        if other is None or other.error is not None:
+            return
+        works, other._works = other._works, []
+        _in_flight.discard(other)
+        for work in works:
+            self.add(work)
 
     def wait(self) -> None:
         """Wait for every work, then run ``then``; re-raise the first failure (see the class note)."""
@@ -211,36 +238,52 @@ def _is_gloo(tensor: torch.Tensor, group: dist.ProcessGroup, comm: CommConfig) -
     return comm.gloo_fast_paths and tensor.device.type == "cpu" and str(dist.get_backend(group)) == "gloo"
 
 
-# CommConfig.side_streams: CUDA only: one all-gather and one reduce-scatter stream per device. Issuing the
-# weight gathers (prefetches included) and the gradient reductions from their own
-# streams keeps them out of the compute stream's queue, so neither waits behind the
-# other kind nor behind compute queued after it was issued; NCCL runs each on its
-# internal stream ordered after the stream it was issued from. CPU/gloo work has no
-# streams: the async work handles give the overlap there.
-_side_streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
+# CommConfig.side_streams (CUDA): each kind of collective runs on a side stream of its own, FSDP2's way
+# (comm/streams.py): issued synchronously inside the side stream's context, an event recorded
+# there, the consumer stream waiting on the event when the ``Pending`` is waited for, the
+# tensors referenced until then. Streams: "all_gather" (weights), "reduce_scatter" (gradients,
+# the reductions inside dp_shard) and "outer" (every collective across dp_outer under HSDP:
+# FSDP2's all_reduce_stream), so that neither kind waits behind the other nor behind compute
+# queued after it. Reductions also run on a process group of their own (core/schedule.py),
+# hence on another NCCL communicator and internal stream than the all-gathers: the two kinds
+# never serialise inside NCCL either. CPU/gloo work has no streams: the async work handles give
+# the overlap there.
+GATHER_STREAM, REDUCE_STREAM, OUTER_STREAM = "all_gather", "reduce_scatter", "outer"
 
 
-@contextlib.contextmanager
-def side_stream(kind: str, device: torch.device, enabled: bool = True) -> Iterator[None]:
-    """Issue the collective inside from ``kind``'s dedicated CUDA stream (no-op off CUDA).
+def _after_events(after: Pending | None, streams: bool) -> tuple[Event, ...]:
+    """What a collective chained after ``after`` must be ordered behind.
 
-    Stream-safety rules kept here and by the callers:
-    - the side stream first waits for the current (producer) stream, so the collective
-      reads the shard or gradients only after the kernels that wrote them;
-    - ``Pending.wait()`` runs on the consumer stream, which then waits for the
-      collective, so outputs are read, and inputs freed or returned to the pool
-      (``BufferPool.release`` records an event), only after it finished.
+    On side streams: the events of ``after``'s stream works (the side stream waits on them; the
+    host and the consumer do not). Any other work of ``after`` (and all of it off streams) is
+    waited for here, which orders the consumer stream (CUDA) or the host (gloo) behind it.
     """
-    if device.type != "cuda" or not enabled:
-        yield
-        return
-    key = (kind, device)
-    stream = _side_streams.get(key)
-    if stream is None:
-        stream = _side_streams[key] = torch.cuda.Stream(device=device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        yield
+    if after is None:
+        return ()
+    if streams and all(isinstance(w, StreamWork) for w in after._works) and after.error is None:
+        return tuple(w.event for w in after._works)
+    after.wait()
+    return ()
+
+
+def _issue(pending: Pending, comm: CommConfig, stream: str | None, device: torch.device,
+           tensors: tuple[torch.Tensor, ...], after: Pending | None,
+           collective: Callable[[bool], dist.Work | None]) -> Pending:
+    """Issue ``collective(async_op)`` into ``pending``: on ``stream``'s side stream if streams apply, else async.
+
+    ``tensors``: what the collective reads or writes, held until the consumer waited.
+    ``after``: a handle whose collectives must finish before this one starts (see ``_after_events``).
+    """
+    provider = comm.stream_provider(device) if stream is not None else None
+    events = _after_events(after, provider is not None)
+    if provider is None:
+        with _issuing(pending):
+            pending.add(collective(True))
+        return pending
+    with on_side_stream(provider, stream, device, events) as side, _issuing(pending):
+        collective(False)
+        pending.add(StreamWork(provider, device, side.record_event(), tensors))
+    return pending
 
 
 def _check_no_alias(output: torch.Tensor, input: torch.Tensor, what: str) -> None:
@@ -257,18 +300,23 @@ def all_gather(
     kind: str = "all_gather",
     into: Pending | None = None,
     comm: CommConfig = DEFAULT_COMM,
+    stream: str = GATHER_STREAM,
+    after: Pending | None = None,
 ) -> Pending:
     """Gather equal flat shards from every rank of ``group`` into ``output`` (counted under ``kind``).
 
     ``into``: a handle the caller already holds, which receives each work as it is
     issued, so that after an error the caller still sees what may be writing into
     ``output`` (see ``_issuing``). Returns that handle (or a new one).
+    ``stream``: the side stream it runs on (CUDA); ``after``: a handle whose collectives
+    produce ``shard``, chained after without waiting where streams allow (``_after_events``).
     """
     _check_no_alias(output, shard, "all_gather")
     pending = Pending() if into is None else into
     comm.record(kind, output)
     world = dist.get_world_size(group)
     if world > 1 and _is_gloo(output, group, comm):
+        _after_events(after, False)
         n = shard.numel()
         output.narrow(0, dist.get_rank(group) * n, n).copy_(shard)
         with _issuing(pending):
@@ -276,9 +324,8 @@ def all_gather(
                 src = dist.get_global_rank(group, r)
                 pending.add(dist.broadcast(output.narrow(0, r * n, n), src=src, group=group, async_op=True))
         return pending
-    with side_stream("all_gather", output.device, comm.side_streams), _issuing(pending):
-        pending.add(_all_gather_flat(output, shard, group=group, async_op=True))
-    return pending
+    return _issue(pending, comm, stream, output.device, (output, shard), after,
+                  lambda async_op: _all_gather_flat(output, shard, group=group, async_op=async_op))
 
 
 def reduce_scatter(
@@ -289,34 +336,54 @@ def reduce_scatter(
     kind: str = "reduce_scatter",
     input_is_scratch: bool = False,
     comm: CommConfig = DEFAULT_COMM,
+    stream: str = REDUCE_STREAM,
+    after: Pending | None = None,
 ) -> Pending:
     """Sum ``input`` over ``group`` and leave this rank's equal slice in ``output`` (counted under ``kind``).
 
     ``input_is_scratch``: the caller never reads ``input`` again, so on gloo it may be
-    summed in place (see ``CommConfig.gloo_fast_paths``).
+    summed in place (see ``CommConfig.gloo_fast_paths``). ``stream``, ``after``: as for ``all_gather``.
     """
     _check_no_alias(output, input, "reduce_scatter")
     comm.record(kind, input)
     if input_is_scratch and _is_gloo(input, group, comm):
+        _after_events(after, False)
         n = output.numel()
         piece = input.narrow(0, dist.get_rank(group) * n, n)
         pending = Pending(then=lambda: output.copy_(piece))
         with _issuing(pending):
             pending.add(dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=True))
         return pending
-    pending = Pending()
-    with side_stream("reduce_scatter", input.device, comm.side_streams), _issuing(pending):
-        pending.add(_reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True))
-    return pending
+    return _issue(Pending(), comm, stream, input.device, (output, input), after,
+                  lambda async_op: _reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group,
+                                                        async_op=async_op))
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, comm: CommConfig = DEFAULT_COMM) -> Pending:
-    """Sum ``tensor`` in place over ``group``."""
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    comm: CommConfig = DEFAULT_COMM,
+    stream: str | None = None,
+    after: Pending | None = None,
+    accumulate: torch.Tensor | None = None,
+) -> Pending:
+    """Sum ``tensor`` in place over ``group``.
+
+    ``stream``: the side stream it runs on (CUDA; None: issued from the current stream, for
+    callers that wait at once); ``after``: as for ``all_gather``. ``accumulate``: added into
+    ``tensor`` first, on the same stream (HSDP's partial sums; FSDP2 accumulates on its
+    reduction stream too) and held as long as ``tensor``.
+    """
     comm.record("all_reduce", tensor)
-    pending = Pending()
-    with _issuing(pending):
-        pending.add(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
-    return pending
+
+    def issue(async_op: bool) -> dist.Work | None:
+        if accumulate is not None:
+            tensor.add_(accumulate)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+    kept = (tensor,) if accumulate is None else (tensor, accumulate)
+    return _issue(Pending(), comm, stream, tensor.device, kept, after, issue)
 
 
 def broadcast(

@@ -35,7 +35,16 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from megatron_fsdp.comm.collectives import DEFAULT_COMM, CommConfig, Pending, all_gather, all_reduce, reduce_scatter
+from megatron_fsdp.comm.collectives import (
+    DEFAULT_COMM,
+    OUTER_STREAM,
+    REDUCE_STREAM,
+    CommConfig,
+    Pending,
+    all_gather,
+    all_reduce,
+    reduce_scatter,
+)
 from megatron_fsdp.core.grad_scaling import GradScaling
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.core.offload import download, host_empty, upload
@@ -86,13 +95,32 @@ class PendingReduce:
     defer_install: bool = False
     result: torch.Tensor | None = None  # the reduced main-shard part, once finished
     _outer: tuple[Pending, torch.Tensor] | None = None  # HSDP: the reduction across dp_outer
+    # On side streams (CUDA) the outer stage is issued at once, chained on its own stream
+    # behind the inner one with events (FSDP2's all_reduce_stream); the consumer waits for
+    # it at the drain only (end of backward, before the optimizer), see ``finish_inner``.
+    chained: bool = False
+
+    def chain_outer(self) -> None:
+        """Issue the outer (dp_outer) stage now, ordered after the inner one on the device, not the host."""
+        self._outer = self.group.start_outer_reduction(self.output, after=self.work)
+        self.chained = True
+
+    def finish_inner(self) -> None:
+        """Wait for the inner reduction only: its input (``scratch``) may be reused; the outer stage runs on."""
+        self.work.wait()
 
     def finish(self) -> None:
         """Wait for the reduction (and its outer stage) and install the gradients."""
         self._advance(block=True)
 
     def poll(self) -> bool:
-        """Advance as far as landed collectives allow, without waiting; True once finished."""
+        """Advance as far as landed collectives allow, without waiting; True once finished.
+
+        Chained: True once the inner stage landed, waiting for nothing (the outer stage is
+        waited for at the drain).
+        """
+        if self.chained:
+            return self.work.landed
         return self._advance(block=False)
 
     def _advance(self, block: bool) -> bool:
@@ -104,8 +132,9 @@ class PendingReduce:
             self.work.wait()
             self._outer = self.group.start_outer_reduction(self.output)
         work, reduced = self._outer
-        if not block and not work.landed:
+        if not block and not (work.landed and self.work.landed):
             return False
+        self.work.wait()  # chained: the inner stage was not waited for yet (no-op otherwise)
         work.wait()
         self.result = reduced
         if not self.defer_install and reduced is not None:  # None: held back (set_requires_all_reduce(False))
@@ -458,32 +487,43 @@ class ParamGroup:
         if self.compute_shard is not None and self.compute_shard is not self.shard:
             self.compute_stale = True
 
-    def refresh_compute(self) -> None:
-        """Copy (cast) the main shard into the compute shard, if it is stale."""
+    def refresh_compute(self, chain: bool = False) -> Pending | None:
+        """Copy (cast) the main shard into the compute shard, if it is stale.
+
+        ``chain``, on side streams only: return the outer all-gather (outer 'optim') still in
+        flight, for the inner all-gather to be chained after it (``all_gather(after=)``);
+        otherwise it is waited for here.
+        """
+        pending = None
         if self.compute_stale:
             with torch.no_grad():
                 if self.outer is not None:
-                    gather_compute_shard(self.compute_shard, self.shard, self.dp, comm=self.comm)
+                    pending = gather_compute_shard(self.compute_shard, self.shard, self.dp, comm=self.comm)
+                    if not (chain and self.comm.stream_provider(self.device) is not None):
+                        pending.wait()
+                        pending = None
                 else:
                     self.compute_shard.copy_(self.shard)
                     self.uploads += self.offload is not None
             self.compute_stale = False
             self.refreshes += 1
+        return pending
 
-    def _gather_input(self) -> tuple[torch.Tensor, dist.ProcessGroup, str]:
+    def _gather_input(self) -> tuple[torch.Tensor, dist.ProcessGroup, str, Pending | None]:
         """What this rank sends in the group's all-gather, over which group, counted as which kind.
 
         The post-forward piece within its sub-group if one is stored (the same on every
         rank, see ``core/post_forward_shard.py``); else the compute shard over the shard
-        group, under CPU offload a fresh upload of the host shard.
+        group, under CPU offload a fresh upload of the host shard. Last: the outer
+        all-gather still filling the compute shard (side streams only), to chain after.
         """
         if self.post_forward_piece is not None:
-            return self.post_forward_piece, self.post_forward.group, "all_gather_post_forward"
-        self.refresh_compute()
+            return self.post_forward_piece, self.post_forward.group, "all_gather_post_forward", None
+        refresh = self.refresh_compute(chain=True)
         if self.compute_shard is None:
             self.uploads += 1
-            return upload(self.shard, self.compute_dtype, self.device), self.process_group, "all_gather"
-        return self.compute_shard, self.process_group, "all_gather"
+            return upload(self.shard, self.compute_dtype, self.device), self.process_group, "all_gather", None
+        return self.compute_shard, self.process_group, "all_gather", refresh
 
     def _store_piece_after(self, source: torch.Tensor, gathered: torch.Tensor) -> Callable[[], None] | None:
         """What to run once a gather into ``gathered`` landed: store the post-forward piece, if wanted."""
@@ -501,19 +541,23 @@ class ParamGroup:
         The same collective ``start_unshard`` issues (group, kind, size), so ranks that
         use the weights and ranks that only take part pair up.
         """
-        source, group, kind = self._gather_input()
+        source, group, kind, refresh = self._gather_input()
         scratch = torch.empty(self.layout.total_numel, dtype=self.compute_dtype, device=self.device)
         pending = Pending(then=self._store_piece_after(source, scratch))
-        return all_gather(scratch, source, group, kind=kind, into=pending, comm=self.comm)
+        try:
+            return all_gather(scratch, source, group, kind=kind, into=pending, comm=self.comm, after=refresh)
+        finally:
+            pending.take_over(refresh)  # waiting for the gather waits for what filled its input
 
     def start_unshard(self) -> None:
         """Issue the all-gather of the weights (no-op if unsharded, in flight or landed)."""
         if self.state is GroupState.UNSHARDED or self._gather is not None:
             return
-        self.refresh_compute()
+        if not self.gathers or self.post_forward_piece is not None:
+            self.refresh_compute()  # a stored post-forward piece is gathered instead, but stays current
         if not self.gathers:
             return
-        source, group, kind = self._gather_input()
+        source, group, kind, refresh = self._gather_input()
         data = self.unsharded.allocate()
         # Refilling the weights in place for backward bumps the version counter
         # that autograd saved in forward; the values are the same ones forward
@@ -522,7 +566,10 @@ class ParamGroup:
         # Registered before issuing: whatever happens below, the works stay in sight.
         self._gather = Pending(then=self._store_piece_after(source, data))
         try:
-            all_gather(data, source, group, kind=kind, into=self._gather, comm=self.comm)
+            try:
+                all_gather(data, source, group, kind=kind, into=self._gather, comm=self.comm, after=refresh)
+            finally:
+                self._gather.take_over(refresh)  # waiting for the gather waits for what filled its input
         except BaseException:
             if self._gather.in_flight:
                 self.unsharded.abandon()  # a failed work may still write into it; _gather stays failed
@@ -701,39 +748,54 @@ class ParamGroup:
         if self.comm_dtype != buffer.dtype:
             buffer = buffer.to(self.comm_dtype)
         if self.dp.shard_size == 1:
-            return PendingReduce(self, Pending(None), buffer)
-        if self.plan.grads:
+            reduce = PendingReduce(self, Pending(None), buffer)
+        elif self.plan.grads:
             # dp_shard's share of the gradients: the main shard, or under outer 'optim' the compute shard.
             numel = self.layout.shard_numel * (self.outer.outer_size if self.outer is not None else 1)
             output = torch.empty(numel, dtype=buffer.dtype, device=buffer.device)
             work = reduce_scatter(output, buffer, self.reduce_process_group, input_is_scratch=True, comm=self.comm)
             # No gradient aliases the buffer; a cast copy (comm dtype) is not worth keeping.
-            return PendingReduce(self, work, output, scratch=buffer if buffer.dtype == self.grad_dtype else None)
-        work = all_reduce(buffer, self.reduce_process_group, comm=self.comm)
-        n = self.layout.shard_numel
-        return PendingReduce(self, work, buffer.narrow(0, self.shard_rank * n, n))
+            reduce = PendingReduce(self, work, output, scratch=buffer if buffer.dtype == self.grad_dtype else None)
+        else:
+            work = all_reduce(buffer, self.reduce_process_group, comm=self.comm, stream=REDUCE_STREAM)
+            n = self.layout.shard_numel
+            reduce = PendingReduce(self, work, buffer.narrow(0, self.shard_rank * n, n))
+        if self.comm.stream_provider(buffer.device) is not None and self._outer_stage_issues:
+            reduce.chain_outer()
+        return reduce
 
-    def start_outer_reduction(self, reduced_shard: torch.Tensor) -> tuple[Pending, torch.Tensor]:
+    @property
+    def _outer_stage_issues(self) -> bool:
+        """Reducing gradients issues a collective across dp_outer (HSDP, not held back)."""
+        return self.outer is not None or (self.dp.has_outer and self.dp.outer_size > 1 and self.requires_all_reduce)
+
+    def start_outer_reduction(
+        self, reduced_shard: torch.Tensor, after: Pending | None = None
+    ) -> tuple[Pending, torch.Tensor]:
         """HSDP: start summing the dp_shard-reduced gradients over dp_outer.
 
         Returns the work and where this rank's main-shard part lands: outer 'optim'
         reduce-scatters into this rank's piece; a replicating outer dimension
         all-reduces in place; without an outer dimension nothing is issued.
+        ``after``: the inner reduction producing ``reduced_shard``, still in flight (on
+        side streams only: the outer stream waits on its events; see ``PendingReduce.chained``).
         """
         if self.outer is not None:
             piece = torch.empty(self.layout.shard_numel, dtype=reduced_shard.dtype, device=reduced_shard.device)
             return (
-                reduce_scatter(piece, reduced_shard, self.dp.outer_group, kind="reduce_scatter_outer", comm=self.comm),
+                reduce_scatter(piece, reduced_shard, self.dp.outer_group, kind="reduce_scatter_outer", comm=self.comm,
+                               stream=OUTER_STREAM, after=after),
                 piece,
             )
         if self.dp.has_outer and self.dp.outer_size > 1:
-            if self.partial_outer is not None:
-                reduced_shard = reduced_shard.add_(self.partial_outer)
-                self.partial_outer = None
-            if not self.requires_all_reduce:
+            if not self.requires_all_reduce:  # never chained: the inner reduction has landed
+                if self.partial_outer is not None:
+                    reduced_shard = reduced_shard.add_(self.partial_outer)
                 self.partial_outer = reduced_shard
                 return Pending(), None
-            return all_reduce(reduced_shard, self.dp.outer_group, comm=self.comm), reduced_shard
+            partial, self.partial_outer = self.partial_outer, None
+            return all_reduce(reduced_shard, self.dp.outer_group, comm=self.comm, stream=OUTER_STREAM, after=after,
+                              accumulate=partial), reduced_shard
         return Pending(), reduced_shard
 
     def install_grads(self, reduced_shard: torch.Tensor) -> None:

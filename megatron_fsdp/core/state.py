@@ -44,6 +44,7 @@ class RootState:
         self.units = units
         self._in_flight: deque[PendingReduce] = deque()
         self._zeros_only: list[PendingReduce] = []  # finished, install decided at the end of backward
+        self._outer_in_flight: list[PendingReduce] = []  # inner stage waited for; chained outer stage runs on
         # 0 makes every reduction synchronous (Megatron's overlap_grad_reduce=False).
         self.max_in_flight: int = root.options.max_reduces_in_flight
         self._callback_queued = False
@@ -104,7 +105,9 @@ class RootState:
         Where waiting blocks the host (gloo), the oldest is waited for at most
         ``LANDING_WAIT_S`` and otherwise left in flight: another rank may be waiting
         for this one in a control round (core/schedule.py) before it can issue its part
-        of that reduction. On CUDA a wait only orders streams and never blocks.
+        of that reduction. On CUDA a wait only orders streams and never blocks; a reduction
+        whose HSDP outer stage is chained on its own stream (``PendingReduce.chained``) gives
+        its buffer back after the inner stage, and its outer stage is waited for at the drain.
         """
         if reduce is None:
             return
@@ -113,23 +116,31 @@ class RootState:
             oldest = self._in_flight[0]
             if oldest.output.device.type == "cpu" and not _landed_within(oldest, LANDING_WAIT_S):
                 return
-            self._finish_oldest()
+            self._finish_oldest(drain=False)
 
     def drain(self) -> None:
+        self._in_flight.extendleft(reversed(self._outer_in_flight))  # the older ones first
+        self._outer_in_flight = []
         while self._in_flight:
             self._finish_oldest()
         self.root.spares.drop_all()  # spares serve one backward; none is held between steps
 
-    def _finish_oldest(self) -> None:
+    def _finish_oldest(self, drain: bool = True) -> None:
         with trace_range(REDUCE_WAIT, self.root.device):
             reduce = self._in_flight.popleft()
             unit = self.schedule.unit_of[id(reduce.group)]
             with self.schedule.waiting_for(f"the gradient reduction of {self.schedule.describe(unit)}"):
-                reduce.finish()
-        if reduce.defer_install:
+                if reduce.chained and not drain:
+                    reduce.finish_inner()
+                else:
+                    reduce.finish()
+        if reduce.chained and not drain:
+            self._outer_in_flight.append(reduce)
+        elif reduce.defer_install:
             self._zeros_only.append(reduce)
         if reduce.scratch is not None:  # the next unit's backward re-uses it
             self.root.spares.give_back(reduce.scratch)
+            reduce.scratch = None
 
     def finish_backward(self) -> None:
         """Issue the reductions left (in the agreed order), wait, install, reshard, reset."""

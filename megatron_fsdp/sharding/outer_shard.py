@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from megatron_fsdp.comm.collectives import DEFAULT_COMM, CommConfig, all_gather
+from megatron_fsdp.comm.collectives import DEFAULT_COMM, OUTER_STREAM, CommConfig, Pending, all_gather
 from megatron_fsdp.sharding.mesh import DataParallelMesh
 
 _FLAT_DIM = "_megatron_fsdp_dp"
@@ -106,7 +106,11 @@ def _flat_mesh(device_type: str, ranks: tuple[int, ...]) -> DeviceMesh:
 
 def gather_compute_shard(
     compute_shard: torch.Tensor, main_piece: torch.Tensor, dp: DataParallelMesh, *, comm: CommConfig = DEFAULT_COMM
-) -> None:
-    """Rebuild this ``dp_shard`` rank's compute shard from the main pieces of its ``dp_outer`` peers."""
+) -> Pending:
+    """Start rebuilding this ``dp_shard`` rank's compute shard from the main pieces of its ``dp_outer`` peers.
+
+    Returns the all-gather in flight (on CUDA on the ``outer`` side stream): wait for it, or
+    order the inner all-gather after it with ``all_gather(..., after=)``.
+    """
     source = main_piece if main_piece.dtype == compute_shard.dtype else main_piece.to(compute_shard.dtype)
-    all_gather(compute_shard, source, dp.outer_group, kind="all_gather_outer", comm=comm).wait()
+    return all_gather(compute_shard, source, dp.outer_group, kind="all_gather_outer", comm=comm, stream=OUTER_STREAM)
