@@ -113,8 +113,7 @@ def _materialize_module(module, own, init_fn, done) -> None:
     saved = module._parameters.copy()
     fulls = []
     for name, group, index in own:
-        slot = group.layout.slots[index]
-        full = torch.empty(slot.shape, dtype=group.dtype, device=group.device)
+        full = torch.empty(group.global_shape(index), dtype=group.dtype, device=group.device)
         module._parameters[name] = nn.Parameter(full, requires_grad=group.refs[index].param.requires_grad)
         fulls.append(full)
     try:
