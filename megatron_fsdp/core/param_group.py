@@ -227,7 +227,7 @@ class ParamGroup:
             self.unsharded.free()  # views were taken while allocated; they survive this
         self.state = GroupState.SHARDED
         self._gather: Pending | None = None
-        self._install(self.sharded_params)
+        self._install(self.sharded_params, check=False)
 
         for ref in refs:
             # Keep only the metadata of the originals (global shape under TP), so their storage can be freed.
@@ -451,26 +451,31 @@ class ParamGroup:
         """Fail loudly if the user replaced or reshaped a parameter after wrapping; follow ``requires_grad``."""
         self.follow_requires_grad()
         for i, (ref, sharded, unsharded) in enumerate(zip(self.refs, self.sharded_params, self.unsharded_params)):
-            for module, name in ref.uses:
-                current = module._parameters.get(name)
-                if current is not sharded and current is not unsharded:
-                    if isinstance(current, DTensor) and getattr(current, "_megatron_fsdp_sharded", False) is False:
-                        raise RuntimeError(
-                            f"parameter '{ref.fqn}' was replaced by a DTensor on mesh {current.device_mesh} "
-                            f"with placements {tuple(current.placements)} after fully_shard: torch-native "
-                            "tensor parallelism was applied to a sharded module. Apply parallelize_module(module, "
-                            "mesh['tp'], plan) first, then fully_shard(module, mesh=mesh['dp'])"
-                        )
-                    raise RuntimeError(
-                        f"parameter '{ref.fqn}' was replaced after fully_shard (now "
-                        f"{type(current).__name__} of shape {tuple(getattr(current, 'shape', ()))}); "
-                        "change parameters before wrapping, or wrap again from scratch"
-                    )
+            self._check_not_replaced(ref, sharded, unsharded)
             if sharded.shape != ref.param.shape or sharded.to_local().shape != self.shard_view(i).shape:
                 raise RuntimeError(
                     f"parameter '{ref.fqn}' changed shape after fully_shard: was "
                     f"{tuple(ref.param.shape)}, now {tuple(sharded.shape)}"
                 )
+
+    @staticmethod
+    def _check_not_replaced(ref: ParamRef, sharded: nn.Parameter, unsharded: nn.Parameter) -> None:
+        for module, name in ref.uses:
+            current = module._parameters.get(name)
+            if current is sharded or current is unsharded:
+                continue
+            if isinstance(current, DTensor):
+                raise RuntimeError(
+                    f"parameter '{ref.fqn}' was replaced by a DTensor on mesh {current.device_mesh} with placements "
+                    f"{tuple(current.placements)} after fully_shard: torch-native tensor parallelism was applied "
+                    "to a sharded module. Apply parallelize_module(module, mesh['tp'], plan) first, then "
+                    "fully_shard(module, mesh=mesh['dp'])"
+                )
+            raise RuntimeError(
+                f"parameter '{ref.fqn}' was replaced after fully_shard (now "
+                f"{type(current).__name__} of shape {tuple(getattr(current, 'shape', ()))}); "
+                "change parameters before wrapping, or wrap again from scratch"
+            )
 
     def use(self, comm: CommConfig, pool: BufferPool, spares: GradSpares) -> None:
         """Run with the root's collectives config, buffer pool and gradient spares (an enclosing ``fully_shard``)."""
@@ -612,8 +617,12 @@ class ParamGroup:
         if self.unsharded is not None:
             self.unsharded.free()
 
-    def _install(self, params: list[nn.Parameter]) -> None:
-        for ref, param in zip(self.refs, params):
+    def _install(self, params: list[nn.Parameter], *, check: bool = True) -> None:
+        """Point every use at ``params``; ``check``: first refuse a parameter replaced behind our back
+        (``parallelize_module`` after ``fully_shard``), which installing would silently undo."""
+        for i, (ref, param) in enumerate(zip(self.refs, params)):
+            if check:
+                self._check_not_replaced(ref, self.sharded_params[i], self.unsharded_params[i])
             for module, name in ref.uses:
                 module._parameters[name] = param
 
