@@ -302,3 +302,28 @@ def errors_name_the_fix() -> None:
         assert "parallelize_module" in str(exc) and "fully_shard" in str(exc), str(exc)
     else:
         raise AssertionError("forward ran on a module tensor-parallelized after fully_shard")
+
+
+@check(SUITE)
+def meta_device_init_gives_the_eager_weights() -> None:
+    """Built on meta, parallelized and sharded, initialised at the first forward: the eager model's weights,
+    even when every rank's random stream differs (the full values come from rank 0, TP slices are cut after)."""
+    mesh = make_mesh()
+    with torch.device("meta"):
+        model = TPNet()
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], block_plan(True))
+    parallelize_module(model, mesh["tp"], root_plan(True))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)  # rank 0 draws what the eager replica drew; the others draw something else
+    else:
+        torch.manual_seed(1000 + dist.get_rank())
+    tokens = local_tokens(mesh, 0)
+    loss = loss_of(model, tokens)
+    assert_same_weights(model, replica(), "after meta-device init")
+    reference = replica()
+    expected = loss_of(reference, batch(0)).item()
+    assert_close("first loss after meta-device init", dp_mean(mesh, loss), expected)
