@@ -128,18 +128,6 @@ def torch_clip(params, max_norm: float) -> torch.Tensor:
     return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
 
 
-def gathered_norm_clip(params, max_norm: float) -> torch.Tensor:
-    """torchtitan's way around meshes that differ: each gradient's norm made whole, then combined; scales in place."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norms = [torch.linalg.vector_norm(g) for g in grads]
-    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
-    coef = min(1.0, max_norm / (total.item() + 1e-6))
-    with torch.no_grad():
-        for grad in grads:
-            grad.mul_(coef)
-    return total
-
-
 def train_step(model, optimizer, tokens, mesh=None, clip: float | None = None, clip_fn=torch_clip):
     """One step (clipped to ``clip`` by ``clip_fn`` if given): the data-parallel mean loss and the norm."""
     loss = loss_of(model, tokens)
@@ -170,10 +158,10 @@ def parity_with_replica_and_fsdp2(sp: bool, optimizer: str) -> None:
     mesh = make_mesh()
     ours, theirs, reference = build(mesh, sp), build(mesh, sp, torch_fully_shard), replica()
     optimizers = [make_optimizer(m, optimizer) for m in (ours, theirs, reference)]
-    # Without SP the norms are not TP-parallelized and live on the dp mesh beside the (tp, dp) ones; torch's
-    # clip_grad_norm_ cannot stack norms of two meshes (FSDP2 alike): ours is clipped by megatron_fsdp's
-    # clip_grad_norm_, which takes both, FSDP2 by the gathered per-parameter norms.
-    clip_fns = (torch_clip, torch_clip) if sp else (clip_grad_norm_, gathered_norm_clip)
+    # Without SP the norms are not TP-parallelized and live on the dp mesh beside the 2-D ones; torch's
+    # clip_grad_norm_ cannot stack norms of two meshes (FSDP2 alike): megatron_fsdp's takes both, for
+    # our (tp, dp) placements and FSDP2's (dp, tp) _StridedShard ones.
+    clip_fns = (torch_clip, torch_clip) if sp else (clip_grad_norm_, clip_grad_norm_)
     clip = 0.05
     for step in range(12):
         tokens = local_tokens(mesh, step)
