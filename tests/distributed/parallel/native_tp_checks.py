@@ -315,3 +315,75 @@ def meta_device_init_gives_the_eager_weights() -> None:
     reference = replica()
     expected = loss_of(reference, batch(0)).item()
     assert_close("first loss after meta-device init", dp_mean(mesh, loss), expected)
+
+
+@check(SUITE)
+def unsupported_layouts_are_refused() -> None:
+    """HSDP beside TP and TP shards of unequal size raise, naming the parameter, before the module changes."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device_type(), (1, world // TP, TP), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
+    model = replica()
+    parallelize_module(model.blocks[0], mesh["tp"], block_plan(False))
+    try:
+        fully_shard(model.blocks[0], mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
+    except NotImplementedError as exc:
+        assert "HSDP" in str(exc) and "up.weight" in str(exc), str(exc)
+    else:
+        raise AssertionError("HSDP beside torch-native TP was accepted")
+    uneven = nn.Sequential(nn.Linear(DIM, HIDDEN + 1))
+    parallelize_module(uneven, make_mesh()["tp"], {"0": ColwiseParallel()})
+    try:
+        fully_shard(uneven, mesh=make_mesh()["dp"])
+    except NotImplementedError as exc:
+        assert "0.weight" in str(exc) and "evenly" in str(exc), str(exc)
+    else:
+        raise AssertionError("an uneven TP split was accepted")
+
+
+@check(SUITE)
+def dcp_checkpoint_loads_across_tp_and_dp_layouts() -> None:
+    """A DCP checkpoint of the 2-D model loads into the same model sharded over all ranks without TP,
+    and back: DCP's chunk offsets of the (tp, dp) placements are right, optimizer state included."""
+    mesh = make_mesh()
+    flat = init_device_mesh(device_type(), (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+    def plain_sharded() -> TPNet:
+        model = replica()
+        for block in model.blocks:
+            fully_shard(block, mesh=flat)
+        fully_shard(model, mesh=flat)
+        return model
+
+    two_d = build(mesh, sp=True)
+    optimizer = make_optimizer(two_d, "foreach")
+    for step in range(2):
+        train_step(two_d, optimizer, local_tokens(mesh, step), mesh)
+    with shared_tmpdir("native_tp_reshard_") as path:
+        dcp.save({"model": get_model_state_dict(two_d), "optim": get_optimizer_state_dict(two_d, optimizer)},
+                 checkpoint_id=f"{path}/2d")
+        one_d = plain_sharded()
+        one_d_optimizer = make_optimizer(one_d, "foreach")
+        train_step(one_d, one_d_optimizer, local_tokens(mesh, 9), mesh)  # creates optimizer state to load into
+        state = {"model": get_model_state_dict(one_d), "optim": get_optimizer_state_dict(one_d, one_d_optimizer)}
+        dcp.load(state, checkpoint_id=f"{path}/2d")
+        set_model_state_dict(one_d, state["model"])
+        set_optimizer_state_dict(one_d, one_d_optimizer, state["optim"])
+        assert_same_weights(one_d, _plain_copy(two_d), "2-D checkpoint loaded without TP")
+        full_state = get_optimizer_state_dict(two_d, optimizer, options=StateDictOptions(full_state_dict=True))
+        loaded_state = get_optimizer_state_dict(one_d, one_d_optimizer, options=StateDictOptions(full_state_dict=True))
+        for name, values in full_state["state"].items():
+            for key, value in values.items():
+                assert torch.equal(loaded_state["state"][name][key], value), f"optimizer {key} of {name}"
+        dcp.save({"model": get_model_state_dict(one_d)}, checkpoint_id=f"{path}/1d")
+        back = build(mesh, sp=True)
+        state = {"model": get_model_state_dict(back)}
+        dcp.load(state, checkpoint_id=f"{path}/1d")
+        set_model_state_dict(back, state["model"])
+        assert_same_weights(back, _plain_copy(one_d), "checkpoint without TP loaded into the 2-D model")
+
+
+def _plain_copy(model: nn.Module) -> TPNet:
+    """An unsharded TPNet holding ``model``'s current weights."""
+    plain = TPNet()
+    plain.load_state_dict({name: param.full_tensor() for name, param in model.named_parameters()})
+    return plain
