@@ -96,6 +96,9 @@ def fully_shard(
         mesh: a 1-D ``DeviceMesh`` (default: every rank; CUDA under NCCL, else CPU),
             a 2-D ``(dp_outer, dp_shard)`` mesh for HSDP, or any named mesh with
             ``dp_shard_dim``/``dp_outer_dim`` naming its data-parallel dimensions.
+            A module already parallelized with torch-native TP (``parallelize_module(block,
+            mesh["tp"], plan)``) takes the data-parallel sub-mesh, ``mesh["dp"]``; its sharded
+            parameters are DTensors over ``(tp, dp)`` (docs/parallelism.md).
         sharding_strategy: ``"no_shard"``, ``"optim"`` (ZeRO-1), ``"optim_grads"``
             (ZeRO-2) or ``"optim_grads_params"`` (ZeRO-3), or a ZeRO stage 0-3.
         reshard_after_forward: ZeRO-3 only: free the gathered weights after

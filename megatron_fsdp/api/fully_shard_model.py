@@ -366,9 +366,10 @@ def _check_tp_and_groups(
     dtensors = [name for name, p in module.named_parameters() if isinstance(p, DTensor)]
     if dtensors:
         raise NotImplementedError(
-            f"parameters {dtensors[:3]} are DTensors (torch-native tensor parallelism): (FSDP, TP)-strided "
-            "sharding is not implemented. Megatron-style TP (each rank's local slice as a plain tensor) works: "
-            "every TP rank shards its slice over the data-parallel dimensions"
+            f"parameters {dtensors[:3]} are DTensors (torch-native tensor parallelism): the whole-model form "
+            "does not take them. Use the per-module form: fully_shard(block, mesh=mesh['dp']) on each "
+            "parallelized block, then on the root (docs/parallelism.md); or Megatron-style TP (each rank's "
+            "local slice as a plain tensor), where every TP rank shards its slice over the data-parallel dimensions"
         )
     if hybrid_fsdp_group is not None:
         if dp_outer_dim is None and not dp_mesh.has_outer:

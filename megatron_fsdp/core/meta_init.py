@@ -11,9 +11,10 @@ initialises it one module at a time:
    bitwise the same weights as eager init (on the same device);
 2. the module's own parameters get temporary full tensors on the device and
    are initialised by ``init_fn(module)`` or ``module.reset_parameters()``;
-3. each full tensor is broadcast from data-parallel rank 0, so every rank's
-   shard is a slice of one and the same initialisation whatever the ranks'
-   random states;
+3. each full tensor is broadcast from data-parallel rank 0 (and, for a
+   torch-native tensor-parallel parameter, then from TP rank 0), so every
+   rank's shard is a slice of one and the same initialisation whatever the
+   ranks' random states (TP-replicated norms stay identical across TP);
 4. this rank's rows are copied into its shard and the full tensors dropped.
 
 Peak memory is the sharded model plus one module's full parameters. A tied
@@ -113,8 +114,7 @@ def _materialize_module(module, own, init_fn, done) -> None:
     saved = module._parameters.copy()
     fulls = []
     for name, group, index in own:
-        slot = group.layout.slots[index]
-        full = torch.empty(slot.shape, dtype=group.dtype, device=group.device)
+        full = torch.empty(group.global_shape(index), dtype=group.dtype, device=group.device)
         module._parameters[name] = nn.Parameter(full, requires_grad=group.refs[index].param.requires_grad)
         fulls.append(full)
     try:
@@ -125,6 +125,9 @@ def _materialize_module(module, own, init_fn, done) -> None:
                 if key in done:
                     continue  # tied: the first owner's value stands, as in eager tying
                 _broadcast_from_dp_rank0(full, group)
+                spec = group.refs[index].tp
+                if spec is not None:  # the global value: the same on every TP rank, which keeps its slice
+                    broadcast(full, 0, spec.mesh.get_group(0), comm=group.comm).wait()
                 group.fill_param(index, full)
                 if len(group.refs[index].uses) > 1:
                     done.add(key)

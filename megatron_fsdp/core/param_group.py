@@ -57,6 +57,7 @@ from megatron_fsdp.sharding.mesh import DataParallelMesh
 from megatron_fsdp.sharding.outer_shard import gather_compute_shard, outer_shard_geometry
 from megatron_fsdp.sharding.ragged_shard import RaggedShard, full_tensor, shard_sizes, without_storage_offset
 from megatron_fsdp.sharding.strategy import ShardingPlan
+from megatron_fsdp.sharding.tensor_parallel import TensorParallelSpec, sharded_mesh
 
 # Per-object gradient bookkeeping set by the engine on its own parameters: never carried to another one.
 _SKIPPED_ATTRS = {"_is_param", "main_grad", "grad_added_to_main_grad", "get_main_grad", "__fsdp_param__"}
@@ -70,11 +71,17 @@ class ParamRef:
     uses: list[tuple[nn.Module, str]] = field(default_factory=list)
     fqns: list[str] = field(default_factory=list)  # one per use, relative to the unit's module
     replicated: bool = False  # marked fsdp_no_shard (or 0-dim): never sharded
+    tp: TensorParallelSpec | None = None  # torch-native TP: the flat buffer holds the TP-local tensor
 
     @property
     def fqn(self) -> str:
         """The name of the first use, for messages."""
         return self.fqns[0]
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape the flat buffer holds: the TP-local one under tensor parallelism."""
+        return self.tp.local_shape if self.tp is not None else tuple(self.param.shape)
 
 
 class GroupState(enum.Enum):
@@ -198,7 +205,9 @@ class ParamGroup:
         policy = policy or MixedPrecisionPolicy(main_params_dtype=None)
         self.compute_dtype, self.dtype, self.grad_dtype, self.comm_dtype = policy.dtypes_for(first.dtype)
         self.layout: FlatLayout = build_flat_layout(
-            [tuple(r.param.shape) for r in refs], self.shard_world, flat_alignment(first.dtype, policy))
+            [r.local_shape for r in refs], self.shard_world, flat_alignment(first.dtype, policy))
+        # Torch-native TP: the sharded parameters live on a (tp, dp) mesh (sharding/tensor_parallel.py).
+        self._tp_meshes = {i: sharded_mesh(r.tp, dp) for i, r in enumerate(refs) if r.tp is not None}
         self._on_grads_ready = on_grads_ready
 
         if offload is not None:
@@ -247,11 +256,12 @@ class ParamGroup:
             self.unsharded.free()  # views were taken while allocated; they survive this
         self.state = GroupState.SHARDED
         self._gather: Pending | None = None
-        self._install(self.sharded_params)
+        self._install(self.sharded_params, check=False)
 
         for ref in refs:
-            # Keep only the metadata of the originals, so their storage can be freed.
-            ref.param = nn.Parameter(torch.empty_like(ref.param, device="meta"), ref.param.requires_grad)
+            # Keep only the metadata of the originals (global shape under TP), so their storage can be freed.
+            meta = torch.empty(tuple(ref.param.shape), dtype=ref.param.dtype, device="meta")
+            ref.param = nn.Parameter(meta, ref.param.requires_grad)
 
         self.grad_buffer: torch.Tensor | None = None
         # A gradient went into grad_buffer since it was last reduced or dropped. The buffer
@@ -286,11 +296,17 @@ class ParamGroup:
     def _fill_shard_from(self, refs: list[ParamRef]) -> None:
         with torch.no_grad():
             for i, ref in enumerate(refs):
-                self.fill_param(i, ref.param.detach())
+                local = ref.param.to_local() if isinstance(ref.param, DTensor) else ref.param
+                self.shard_view(i).copy_(self._local_rows(local.detach(), i))
+
+    def _tp_local(self, index: int, full: torch.Tensor) -> torch.Tensor:
+        """This TP rank's piece of a full (global-shaped) value of parameter ``index``; ``full`` without TP."""
+        spec = self.refs[index].tp
+        return full if spec is None else spec.local_of(full)
 
     def fill_param(self, index: int, full: torch.Tensor) -> None:
-        """Copy this rank's rows of the full value of parameter ``index`` into the shard."""
-        self.shard_view(index).copy_(self._local_rows(full, index))
+        """Copy this rank's rows of the full (global) value of parameter ``index`` into the shard."""
+        self.shard_view(index).copy_(self._local_rows(self._tp_local(index, full), index))
 
     def loadable(self, index: int, value: torch.Tensor, key: str) -> torch.Tensor:
         """``value`` (full tensor, or DTensor in any layout) as this parameter's sharded DTensor.
@@ -300,10 +316,10 @@ class ParamGroup:
         ``set_model_state_dict`` with a full state dict) would be copied into our
         ragged shards row-misaligned, so it is gathered and re-cut here.
         """
-        slot = self.layout.slots[index]
-        if tuple(value.shape) != slot.shape:
+        shape = self.global_shape(index)
+        if tuple(value.shape) != shape:
             raise RuntimeError(
-                f"loading '{key}': the checkpoint holds shape {tuple(value.shape)}, the parameter has {slot.shape}"
+                f"loading '{key}': the checkpoint holds shape {tuple(value.shape)}, the parameter has {shape}"
             )
         return self.relayout(index, value, self.dtype)
 
@@ -325,7 +341,8 @@ class ParamGroup:
                 local = value.to_local().detach().to(device=self.shard.device, dtype=dtype)
                 return self.as_dtensor(index, local.contiguous())
             value = full_tensor(value)
-        local = self._local_rows(value.detach().to(device=self.shard.device, dtype=dtype), index)
+        value = self._tp_local(index, value.detach())
+        local = self._local_rows(value.to(device=self.shard.device, dtype=dtype), index)
         return self.as_dtensor(index, local.contiguous())
 
     def _holds_our_rows(self, value: DTensor, index: int) -> bool:
@@ -339,10 +356,13 @@ class ParamGroup:
         all-gather per sharded mesh dim; every rank takes the same branch.
         """
         ours = self._placements(index)
-        if value.device_mesh != self.dp.mesh or len(value.placements) != len(ours):
+        if value.device_mesh != self._mesh(index) or len(value.placements) != len(ours):
             return False
         for mesh_dim, (theirs, mine) in enumerate(zip(value.placements, ours)):
-            if isinstance(mine, RaggedShard):
+            if self.refs[index].tp is not None and mesh_dim == 0:
+                if theirs != mine or type(theirs) is not type(mine):  # the TP dimension: the same placement
+                    return False
+            elif isinstance(mine, RaggedShard):
                 if type(theirs) is not Shard or theirs.dim != 0 or mine.order != tuple(range(len(mine.order))):
                     return False
                 if shard_sizes(value, mesh_dim) != list(mine.local_sizes):
@@ -356,16 +376,29 @@ class ParamGroup:
             rows = self.outer.sizes_by_mesh_rank(self.layout.rows_per_rank(index))
             return [RaggedShard(0, rows, self.outer.order)]
         inner = RaggedShard(0, self.layout.rows_per_rank(index)) if self.gathers else Replicate()
+        spec = self.refs[index].tp
+        if spec is not None:  # (tp, dp) mesh: TP splits first, our rows split the TP-local tensor
+            return [*spec.placements, inner]
         return [Replicate(), inner] if self.dp.has_outer else [inner]
+
+    def _mesh(self, index: int):
+        """The mesh parameter ``index``'s sharded DTensor lives on."""
+        if index in self._tp_meshes:
+            return self._tp_meshes[index]
+        return self.dp.mesh if self.outer is None else self.outer.flat_mesh
+
+    def global_shape(self, index: int) -> tuple[int, ...]:
+        """Parameter ``index``'s shape as users see it (the global one under TP)."""
+        spec = self.refs[index].tp
+        return tuple(spec.shape) if spec is not None else self.layout.slots[index].shape
 
     def as_dtensor(self, index: int, local: torch.Tensor) -> DTensor:
         """Wrap this rank's piece of parameter ``index`` (or its grad) as a DTensor."""
-        slot = self.layout.slots[index]
-        full_stride = torch.empty(slot.shape, device="meta").stride()
-        mesh = self.dp.mesh if self.outer is None else self.outer.flat_mesh
+        shape = self.global_shape(index)
+        full_stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(
-            without_storage_offset(local), mesh, self._placements(index), run_check=False,
-            shape=torch.Size(slot.shape), stride=full_stride,
+            without_storage_offset(local), self._mesh(index), self._placements(index), run_check=False,
+            shape=torch.Size(shape), stride=full_stride,
         )
 
     def _make_sharded_param(self, index: int) -> nn.Parameter:
@@ -404,7 +437,10 @@ class ParamGroup:
     def _make_unsharded_param(self, index: int) -> nn.Parameter:
         slot = self.layout.slots[index]
         source = self.unsharded.data if self.gathers else self.compute_shard
-        param = nn.Parameter(source.narrow(0, slot.offset, slot.numel).view(slot.shape),
+        view = source.narrow(0, slot.offset, slot.numel).view(slot.shape)
+        spec = self.refs[index].tp
+        # Under torch-native TP the module's plan computes with DTensors over the TP mesh.
+        param = nn.Parameter(view if spec is None else spec.as_dtensor(view),
                              requires_grad=self.refs[index].param.requires_grad)
         copy_param_attributes(self.refs[index].param, param)
         # What a fused-wgrad kernel (TransformerEngine's, fuse_wgrad_accumulation) looks for,
@@ -455,19 +491,31 @@ class ParamGroup:
         """Fail loudly if the user replaced or reshaped a parameter after wrapping; follow ``requires_grad``."""
         self.follow_requires_grad()
         for i, (ref, sharded, unsharded) in enumerate(zip(self.refs, self.sharded_params, self.unsharded_params)):
-            for module, name in ref.uses:
-                current = module._parameters.get(name)
-                if current is not sharded and current is not unsharded:
-                    raise RuntimeError(
-                        f"parameter '{ref.fqn}' was replaced after fully_shard (now "
-                        f"{type(current).__name__} of shape {tuple(getattr(current, 'shape', ()))}); "
-                        "change parameters before wrapping, or wrap again from scratch"
-                    )
+            self._check_not_replaced(ref, sharded, unsharded)
             if sharded.shape != ref.param.shape or sharded.to_local().shape != self.shard_view(i).shape:
                 raise RuntimeError(
                     f"parameter '{ref.fqn}' changed shape after fully_shard: was "
                     f"{tuple(ref.param.shape)}, now {tuple(sharded.shape)}"
                 )
+
+    @staticmethod
+    def _check_not_replaced(ref: ParamRef, sharded: nn.Parameter, unsharded: nn.Parameter) -> None:
+        for module, name in ref.uses:
+            current = module._parameters.get(name)
+            if current is sharded or current is unsharded:
+                continue
+            if isinstance(current, DTensor):
+                raise RuntimeError(
+                    f"parameter '{ref.fqn}' was replaced by a DTensor on mesh {current.device_mesh} with placements "
+                    f"{tuple(current.placements)} after fully_shard: torch-native tensor parallelism was applied "
+                    "to a sharded module. Apply parallelize_module(module, mesh['tp'], plan) first, then "
+                    "fully_shard(module, mesh=mesh['dp'])"
+                )
+            raise RuntimeError(
+                f"parameter '{ref.fqn}' was replaced after fully_shard (now "
+                f"{type(current).__name__} of shape {tuple(getattr(current, 'shape', ()))}); "
+                "change parameters before wrapping, or wrap again from scratch"
+            )
 
     def use(self, comm: CommConfig, pool: BufferPool, spares: GradSpares) -> None:
         """Run with the root's collectives config, buffer pool and gradient spares (an enclosing ``fully_shard``)."""
@@ -627,8 +675,12 @@ class ParamGroup:
         if self.unsharded is not None:
             self.unsharded.free()
 
-    def _install(self, params: list[nn.Parameter]) -> None:
-        for ref, param in zip(self.refs, params):
+    def _install(self, params: list[nn.Parameter], *, check: bool = True) -> None:
+        """Point every use at ``params``; ``check``: first refuse a parameter replaced behind our back
+        (``parallelize_module`` after ``fully_shard``), which installing would silently undo."""
+        for i, (ref, param) in enumerate(zip(self.refs, params)):
+            if check:
+                self._check_not_replaced(ref, self.sharded_params[i], self.unsharded_params[i])
             for module, name in ref.uses:
                 module._parameters[name] = param
 
@@ -671,7 +723,8 @@ class ParamGroup:
             # is also used by a plain op (a tied embedding/output weight): then it sets
             # zero_out_wgrad, the dummy is zeros and .grad holds the other uses' gradient.
             if not getattr(param, "grad_added_to_main_grad", False) or getattr(param, "zero_out_wgrad", False):
-                param.main_grad.add_(param.grad)
+                spec = self.refs[index].tp
+                param.main_grad.add_(param.grad if spec is None else spec.local_grad(param.grad))
             param.grad = None
         param.grad_added_to_main_grad = False  # consumed; the kernel sets it again in the next backward
         self._grads_seen.add(index)

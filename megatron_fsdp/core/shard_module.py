@@ -41,6 +41,7 @@ from megatron_fsdp.sharding.layout import partition_for_padding
 from megatron_fsdp.sharding.mesh import OUTER_STRATEGIES, DataParallelMesh, resolve_mesh, resolve_outer_strategy
 from megatron_fsdp.sharding.no_shard import is_marked_no_shard
 from megatron_fsdp.sharding.strategy import STRATEGIES, ShardingPlan, resolve_strategy
+from megatron_fsdp.sharding.tensor_parallel import check_dp_mesh_for_tp, tensor_parallel_spec
 
 
 def default_mesh() -> DeviceMesh:
@@ -101,7 +102,7 @@ def _collect_params(modules: list[nn.Module], ignored: set[int], prefixes: list[
                     "shared with a module outside that unit); apply fully_shard to a common "
                     "ancestor of every module that uses it instead"
                 )
-            ref = refs.setdefault(id(param), ParamRef(param))
+            ref = refs.setdefault(id(param), ParamRef(param, tp=tensor_parallel_spec(fqn, param)))
             ref.uses.append((mod, name))
             ref.fqns.append(fqn)
             # 0-dim parameters have no rows to shard: they stay replicated.
@@ -223,6 +224,9 @@ def shard_module(
     prefixes = [""] if len(modules) == 1 else [f"modules[{i}]." for i in range(len(modules))]
     refs = _collect_params(modules, ignored, prefixes)
     _validate_params(label, refs)
+    for ref in refs:
+        if ref.tp is not None:
+            check_dp_mesh_for_tp(ref.fqn, ref.tp, dp_mesh)
     check_shard_placement(shard_placement_fn, [(ref.fqn, ref.param) for ref in refs if not ref.replicated])
     device = mesh_device(dp_mesh.mesh, device)
     groups = [dp_mesh.shard_group] + ([dp_mesh.outer_group] if dp_mesh.has_outer else [])
@@ -268,7 +272,7 @@ def _split_for_padding(
     """One kind's parameters split into flat buffers where that saves padding (``layout.partition_for_padding``)."""
     world = (dp.shard_size * (dp.outer_size if dp.outer_optim else 1)) if plan.optim else 1
     align = flat_alignment(refs[0].param.dtype, policy)
-    parts = partition_for_padding([tuple(r.param.shape) for r in refs], world, align)
+    parts = partition_for_padding([r.local_shape for r in refs], world, align)
     return [[refs[i] for i in part] for part in parts]
 
 

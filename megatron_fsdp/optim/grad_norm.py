@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from megatron_fsdp.comm.collectives import all_gather, all_reduce
 from megatron_fsdp.core.module import FSDPModule
@@ -63,7 +64,12 @@ def _sharded_groups(grad: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
     for dim, placement in enumerate(grad.placements):
         if placement.is_partial():
             raise ValueError("gradient norm of a Partial DTensor gradient: reduce the gradient first")
-        if placement.is_shard() and grad.device_mesh.size(dim) > 1:
+        # FSDP2's 2-D _StridedShard is a partition too; in torch 2.13 it is no Shard (is_shard() is False).
+        sharded = placement.is_shard() or isinstance(placement, _StridedShard)
+        if not sharded and not placement.is_replicate():
+            raise ValueError(f"gradient norm of a DTensor gradient placed {placement!r} on mesh dim {dim}: "
+                             "only Shard, _StridedShard and Replicate placements are summed correctly")
+        if sharded and grad.device_mesh.size(dim) > 1:
             groups.append(grad.device_mesh.get_group(dim))
     return tuple(groups)
 

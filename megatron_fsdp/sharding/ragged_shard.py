@@ -167,6 +167,26 @@ def shard_sizes(tensor: DTensor, mesh_dim: int) -> list[int]:
     return sizes.tolist()
 
 
+def _chunked_size(tensor: DTensor, mesh_dim: int, rank: int) -> int:
+    """The local size along ``tensor.placements[mesh_dim].dim`` of the rank at ``rank`` on ``mesh_dim``
+    (this rank's coordinate elsewhere), when every shard is cut as DTensor cuts it: in mesh-dim order,
+    ``torch.chunk`` for ``Shard``, the recorded sizes for ``RaggedShard`` (nested shardings of one dim, 2-D TP)."""
+    coordinate = list(tensor.device_mesh.get_coordinate())
+    coordinate[mesh_dim] = rank
+    dim = tensor.placements[mesh_dim].dim
+    size = tensor.size(dim)
+    for md, placement in enumerate(tensor.placements):
+        if not isinstance(placement, Shard) or placement.dim != dim:
+            continue
+        if isinstance(placement, RaggedShard):
+            size = placement.local_sizes[coordinate[md]]
+            continue
+        n = tensor.device_mesh.size(md)
+        chunk = -(-size // n)
+        size = max(0, min(size, chunk * (coordinate[md] + 1)) - chunk * coordinate[md])
+    return size
+
+
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind ``tensor`` (a DTensor or a plain tensor).
 
@@ -180,9 +200,7 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     for mesh_dim, placement in enumerate(tensor.placements):
         if type(placement) is Shard:
             sizes = shard_sizes(tensor, mesh_dim)
-            n = mesh.size(mesh_dim)
-            expected = [t.size(0) for t in torch.empty(tensor.size(placement.dim), 0).chunk(n)]
-            expected += [0] * (n - len(expected))
+            expected = [_chunked_size(tensor, mesh_dim, r) for r in range(mesh.size(mesh_dim))]
             if sizes != expected:
                 raise RuntimeError(
                     f"DTensor with placement {placement} has local sizes {sizes} "
