@@ -13,6 +13,26 @@ import socket
 import pytest
 
 
+def _free_port_env() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+@pytest.fixture
+def gloo_rank():
+    """A one-rank gloo process group for one test (skips if this process already has a group)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    _free_port_env()
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def nccl_group():
     """A one-rank NCCL process group on GPU 0 for the CUDA tests (skips without CUDA/NCCL)."""
@@ -21,10 +41,7 @@ def nccl_group():
 
     if not torch.cuda.is_available() or not dist.is_nccl_available():
         pytest.skip("needs a CUDA GPU and NCCL")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _free_port_env()
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
     yield

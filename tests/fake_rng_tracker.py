@@ -1,8 +1,15 @@
-"""A stand-in for megatron-core's CUDA RNG tracker (megatron-core is optional and not installed in CI)."""
+"""A stand-in for megatron-core's CUDA RNG tracker (megatron-core is optional and not installed in CI),
+and the smallest set of training parts a front-end checkpoint round trip takes."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.training.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.training.parallel_state import ParallelLayout
+from megatron_fsdp.parallel import ContextParallel, TensorParallel
 
 
 class FakeTracker:
@@ -17,3 +24,15 @@ class FakeTracker:
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         self.states = dict(states)
+
+
+def checkpoint_parts() -> tuple[nn.Module, torch.optim.Optimizer, OptimizerParamScheduler, ParallelLayout]:
+    """What ``checkpointing.save``/``load`` take after the run state: a tiny model, its optimizer and
+    scheduler, and a data-parallel-only layout over every rank of the default group."""
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = OptimizerParamScheduler(optimizer, max_lr=1e-3, min_lr=1e-4, warmup_steps=1, decay_steps=10,
+                                        decay_style="linear")
+    layout = ParallelLayout(None, TensorParallel.single(), ContextParallel.single(), dist.group.WORLD,
+                            dist.group.WORLD, dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
+    return model, optimizer, scheduler, layout

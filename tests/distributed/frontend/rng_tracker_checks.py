@@ -12,14 +12,12 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megatron.training import checkpointing
 from megatron.training.config import RunState
-from megatron.training.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.rng_tracker import TRACKER_KEY
 from tests.distributed.harness import check, shared_tmpdir
-from tests.fake_rng_tracker import FakeTracker
+from tests.fake_rng_tracker import FakeTracker, checkpoint_parts
 
 SUITE = "rng_tracker"
 
@@ -35,13 +33,6 @@ def tracker_in_use(tracker: FakeTracker) -> Iterator[None]:
         checkpointing.mcore_rng_tracker = real
 
 
-def parts() -> tuple[nn.Module, torch.optim.Optimizer, OptimizerParamScheduler]:
-    model = nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = OptimizerParamScheduler(optimizer, max_lr=1e-3, min_lr=1e-4, warmup_steps=1, decay_steps=10,
-                                        decay_style="linear")
-    return model, optimizer, scheduler
-
 
 @check(SUITE, world_sizes=(2,))
 def each_rank_gets_its_own_tracker_states_back() -> None:
@@ -51,12 +42,12 @@ def each_rank_gets_its_own_tracker_states_back() -> None:
                                   no_load_rng=False, allow_fresh_start=False, no_load_args_check=False)
         saving = FakeTracker(seed=100 + rank)
         with tracker_in_use(saving):
-            checkpointing.save(args, RunState(iteration=2, consumed_train_samples=8), *parts())
+            checkpointing.save(args, RunState(iteration=2, consumed_train_samples=8), *checkpoint_parts())
         extra = torch.load(f"{directory}/iter_0000002/extra.pt", weights_only=False)
         assert len(extra[TRACKER_KEY]) == 2, extra[TRACKER_KEY]
         resuming = FakeTracker(seed=200 + rank)
         with tracker_in_use(resuming):
-            checkpointing.load(args, *parts())
+            checkpointing.load(args, *checkpoint_parts())
         assert torch.equal(resuming.states["model-parallel-rng"], saving.states["model-parallel-rng"]), rank
         other = FakeTracker(seed=100 + (1 - rank))
         assert not torch.equal(resuming.states["model-parallel-rng"], other.states["model-parallel-rng"])

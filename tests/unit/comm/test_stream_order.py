@@ -11,13 +11,10 @@ when the handle is waited for, and the tensors stay referenced until then.
 from __future__ import annotations
 
 import gc
-import os
-import socket
 import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_fsdp.comm import collectives
 from megatron_fsdp.comm.collectives import (
@@ -32,20 +29,6 @@ from megatron_fsdp.comm.collectives import (
 )
 from megatron_fsdp.comm.streams import CUDA_STREAMS, StreamWork
 from tests.fake_streams import Op, RecordingStreams
-
-
-@pytest.fixture(scope="module")
-def gloo_rank():
-    """A one-rank gloo group (restores no earlier group: the unit tests run none)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 @pytest.fixture

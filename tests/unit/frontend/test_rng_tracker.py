@@ -8,19 +8,14 @@ rank's states into ``extra.pt`` and sets them back on resume is the same.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from megatron.training import checkpointing
 from megatron.training.config import RunState
-from megatron.training.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.rng_tracker import TRACKER_KEY, gather_tracker_states, restore_tracker_states
-from tests.fake_rng_tracker import FakeTracker
+from tests.fake_rng_tracker import FakeTracker, checkpoint_parts
 
 
 def test_single_process_round_trip_and_refusals():
@@ -56,30 +51,11 @@ def test_nothing_saved_without_a_tracker_or_states():
     assert restore_tracker_states(None, {TRACKER_KEY: [{}]}, rng_restored=True, where="here") is None
 
 
-@pytest.fixture
-def gloo_rank():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def _run_args(directory: str) -> argparse.Namespace:
     return argparse.Namespace(save=directory, load=directory, finetune=False, no_load_optim=False,
                               no_load_rng=False, allow_fresh_start=False, no_load_args_check=False, seed=1234)
 
-
-def _parts() -> tuple[nn.Module, torch.optim.Optimizer, OptimizerParamScheduler]:
-    model = nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = OptimizerParamScheduler(optimizer, max_lr=1e-3, min_lr=1e-4, warmup_steps=1, decay_steps=10,
-                                        decay_style="linear")
-    return model, optimizer, scheduler
 
 
 def test_front_end_save_and_load_carry_the_tracker_states(gloo_rank, tmp_path, monkeypatch):
@@ -87,15 +63,15 @@ def test_front_end_save_and_load_carry_the_tracker_states(gloo_rank, tmp_path, m
     saving = FakeTracker(seed=5)
     monkeypatch.setattr(checkpointing, "mcore_rng_tracker", lambda: saving)
     args = _run_args(str(tmp_path))
-    checkpointing.save(args, RunState(iteration=3, consumed_train_samples=12), *_parts())
+    checkpointing.save(args, RunState(iteration=3, consumed_train_samples=12), *checkpoint_parts())
     resuming = FakeTracker(seed=6)
     monkeypatch.setattr(checkpointing, "mcore_rng_tracker", lambda: resuming)
-    state = checkpointing.load(args, *_parts())
+    state = checkpointing.load(args, *checkpoint_parts())
     assert state.iteration == 3
     assert torch.equal(resuming.states["model-parallel-rng"], saving.states["model-parallel-rng"])
     # --no-load-rng: the tracker keeps this run's seeding, as the other RNG states do
     fresh = FakeTracker(seed=7)
     monkeypatch.setattr(checkpointing, "mcore_rng_tracker", lambda: fresh)
     before = fresh.get_states()
-    checkpointing.load(argparse.Namespace(**{**vars(args), "no_load_rng": True}), *_parts())
+    checkpointing.load(argparse.Namespace(**{**vars(args), "no_load_rng": True}), *checkpoint_parts())
     assert torch.equal(fresh.states["model-parallel-rng"], before["model-parallel-rng"])
