@@ -118,8 +118,9 @@ class MoELayer(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, topk: int, ffn_size: int, *, swiglu: bool = False,
                  std: float = 0.02, output_std: float = 0.02, aux_loss_coeff: float = 0.0, layer_number: int = 0,
-                 ep: ExpertParallel | None = None) -> None:
+                 ep: ExpertParallel | None = None, skip_empty_experts: bool = False) -> None:
         super().__init__()
+        self.skip_empty_experts = skip_empty_experts  # a local expert no token reached does not run
         self.ep = ExpertParallel.single() if ep is None else ep
         self.num_experts, self.topk, self.aux_loss_coeff = num_experts, topk, aux_loss_coeff
         self.aux_loss_scale = 1.0  # what backward multiplies the auxiliary loss by (1 / micro-batches)
@@ -142,7 +143,8 @@ class MoELayer(nn.Module):
         self.last_rows_per_local_expert = plan.expert_rows
         # Every local expert runs, also on no token (as Megatron's SequentialMLP): which FSDP units run
         # must not depend on the data here, because the all-to-alls between them block (docs/moe.md).
-        outputs = [expert(chunk) for expert, chunk in zip(self.local_experts, grouped.split(plan.expert_rows))]
+        outputs = [expert(chunk) for expert, chunk in zip(self.local_experts, grouped.split(plan.expert_rows))
+                   if chunk.shape[0] or not self.skip_empty_experts]
         expert_out = torch.cat(outputs) if outputs else grouped
         out = combine(expert_out, probs, plan, self.ep, tokens.shape[0]).to(x.dtype)
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():

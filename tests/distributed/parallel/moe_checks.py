@@ -40,22 +40,45 @@ STEPS = 6
 EMPTY_STEP = 3  # one token per rank: most experts get none somewhere
 
 
+class _Collective(torch.autograd.Function):
+    """Identity whose forward and backward each run a blocking all-reduce over every rank.
+
+    Stands for a model's own collective (a TP all-reduce) between units, on a group of
+    its own (the model's, not the engine's): a rank that enters it waits there for
+    every other rank.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        dist.all_reduce(torch.zeros(1), group=group)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        dist.all_reduce(torch.zeros(1), group=ctx.group)
+        return grad, None
+
+
 class Block(nn.Module):
-    def __init__(self, ep: ExpertParallel, layer: int) -> None:
+    def __init__(self, ep: ExpertParallel, layer: int, skip: bool = False,
+                 collective: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(HIDDEN)
         self.moe = MoELayer(HIDDEN, EXPERTS, TOPK, FFN, std=0.5, output_std=0.3, aux_loss_coeff=0.01,
-                            layer_number=layer, ep=ep)
+                            layer_number=layer, ep=ep, skip_empty_experts=skip)
+        self.collective = collective
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.moe(self.norm(x))
+        out = self.moe(self.norm(x))
+        return x + (out if self.collective is None else _Collective.apply(out, self.collective))
 
 
 class MoENet(nn.Module):
-    def __init__(self, ep: ExpertParallel) -> None:
+    def __init__(self, ep: ExpertParallel, skip: bool = False, collective: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.inp = nn.Linear(HIDDEN, HIDDEN)
-        self.blocks = nn.ModuleList(Block(ep, i) for i in range(LAYERS))
+        self.blocks = nn.ModuleList(Block(ep, i, skip, collective) for i in range(LAYERS))
         self.out = nn.Linear(HIDDEN, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,10 +101,14 @@ def _set_aux_scale(model: nn.Module, scale: float) -> None:
             module.aux_loss_scale = scale
 
 
-def _reference(world: int) -> tuple[list[float], dict[str, torch.Tensor], float]:
-    """One process: losses per step, final weights, the last step's gradient norm."""
+def _reference(world: int, skip: bool = False) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """One process: losses per step, final weights, the last step's gradient norm.
+
+    ``skip``: experts no token reached do not run, so an expert no rank's batch reached
+    has no gradient (AdamW leaves it alone), as under FSDP.
+    """
     torch.manual_seed(1234)
-    model = MoENet(ExpertParallel.single())
+    model = MoENet(ExpertParallel.single(), skip=skip)
     _set_aux_scale(model, 1.0 / world)  # each rank's auxiliary loss, averaged over ranks like its lm loss
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     losses, norm = [], 0.0
@@ -107,10 +134,10 @@ def _meshes(ep_size: int):
     return dense, experts, ep
 
 
-def _build(ep_size: int, whole_model: bool):
+def _build(ep_size: int, whole_model: bool, skip: bool = False):
     dense, experts, ep = _meshes(ep_size)
     torch.manual_seed(1234)
-    model = MoENet(ep)
+    model = MoENet(ep, skip=skip, collective=dist.new_group() if skip else None)
     if whole_model:
         wrapped = fully_shard_model(model, fsdp_unit_modules=[Block], device_mesh=dense, expt_device_mesh=experts,
                                     dp_shard_dim="dp_shard", preserve_fp32_weights=False)
@@ -135,8 +162,19 @@ def _global_grad_norm(model: nn.Module, ep: ExpertParallel) -> float:
     return float((dense_sq + expert_sq).sqrt())
 
 
-def _train(ep_size: int, whole_model: bool) -> tuple[list[float], nn.Module, float, bool, ExpertParallel]:
-    model, optimizer, ep = _build(ep_size, whole_model)
+def _skipped_here_ran_there(model: nn.Module) -> bool:
+    """Some local expert (same unit index on every rank) got no token on one rank and some on another."""
+    empty = torch.tensor([[int(n == 0) for n in m.last_rows_per_local_expert]
+                          for m in model.modules() if isinstance(m, MoELayer)])
+    lowest, highest = empty.clone(), empty.clone()
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    return bool(((lowest == 0) & (highest == 1)).any())
+
+
+def _train(ep_size: int, whole_model: bool, skip: bool = False,
+           ) -> tuple[list[float], nn.Module, float, bool, ExpertParallel]:
+    model, optimizer, ep = _build(ep_size, whole_model, skip)
     world, rank = dist.get_world_size(), dist.get_rank()
     losses, norm, skipped = [], 0.0, False
     for step in range(STEPS):
@@ -148,8 +186,10 @@ def _train(ep_size: int, whole_model: bool) -> tuple[list[float], nn.Module, flo
             if isinstance(module, MoELayer):
                 local = module.ep.local_experts(EXPERTS)
                 received = module.last_rows_per_local_expert
-                skipped |= step == EMPTY_STEP and any(n == 0 for n in received) and len(local) > 0
+                skipped |= not skip and step == EMPTY_STEP and any(n == 0 for n in received) and len(local) > 0
                 assert len(received) == len(local)
+        if skip:
+            skipped |= _skipped_here_ran_there(model)
         total = loss.detach().clone() / world
         dist.all_reduce(total)
         losses.append(total.item())
@@ -199,6 +239,29 @@ def parity(ep: int, api: str) -> None:
     _close(norm, ref_norm, "gradient norm of the last step")
     weights = _full_weights(model, group)
     assert set(weights) == set(ref_weights), sorted(set(weights) ^ set(ref_weights))
+    for name, expected in ref_weights.items():
+        _close(weights[name], expected, f"weight {name} after {STEPS} steps")
+
+
+@check(SUITE, world_sizes=(2, 4), params={"ep": [1, 2], "api": ["per_module", "whole_model"]})
+def skipped_experts(ep: int, api: str) -> None:
+    """Experts no token reached do not run (their units' hooks do not fire), between blocking collectives.
+
+    Routing depends on each rank's batch, so an expert unit runs on one rank and is
+    skipped on its peer within the same step; a blocking all-reduce of the model
+    follows every MoE layer in forward and backward (beside EP2's all-to-alls).
+    Experts have equal sizes: collectives issued in different orders would pair
+    one expert's gradients with another's, so every weight is compared.
+    """
+    ref_losses, ref_weights, ref_norm = _reference(dist.get_world_size(), skip=True)
+    losses, model, norm, skipped, group = _train(ep, api == "whole_model", skip=True)
+    flags = torch.tensor([int(skipped)])
+    dist.all_reduce(flags)
+    assert flags.item() > 0, "no expert unit ran on one rank and was skipped on another"
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        _close(a, b, f"loss at step {step}")
+    _close(norm, ref_norm, "gradient norm of the last step")
+    weights = _full_weights(model, group)
     for name, expected in ref_weights.items():
         _close(weights[name], expected, f"weight {name} after {STEPS} steps")
 
