@@ -62,9 +62,6 @@ def validate_moe_args(args: argparse.Namespace, world_size: int, fail: Callable[
         if not args.use_megatron_fsdp:
             fail("--expert-model-parallel-size > 1 needs --use-megatron-fsdp: DDP would average different experts "
                  "across the expert-parallel ranks")
-        if args.num_distributed_optimizer_instances > 1:
-            fail("--expert-model-parallel-size > 1 with --num-distributed-optimizer-instances > 1 (HSDP) is not "
-                 "supported yet; use one instance")
         if args.save or args.load:
             fail("--save/--load with --expert-model-parallel-size > 1 is not supported yet: checkpoints do not record "
                  "which experts each expert-parallel rank holds, so a save would keep one EP rank's experts under "

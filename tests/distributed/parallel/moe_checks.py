@@ -19,13 +19,15 @@ fp32; tolerance 1e-5 relative to the largest value.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from megatron_fsdp import fully_shard
+from megatron_fsdp import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp.api.fully_shard_model import expert_modules, fully_shard_model
 from megatron_fsdp.optim.grad_norm import get_grad_norm
 from megatron_fsdp.optim.optimizer import fully_shard_optimizer
@@ -35,8 +37,9 @@ from tests.distributed.harness import check
 
 SUITE = "moe"
 RTOL = 1e-5
+BF16_RTOL = 2e-2  # bf16 compute against the fp32 reference, as tests/distributed/core/precision_checks.py
 HIDDEN, EXPERTS, TOPK, FFN, LAYERS = 8, 8, 2, 12, 2
-STEPS = 6
+STEPS = 10
 EMPTY_STEP = 3  # one token per rank: most experts get none somewhere
 
 
@@ -126,21 +129,41 @@ def _reference(world: int, skip: bool = False) -> tuple[list[float], dict[str, t
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norm
 
 
-def _meshes(ep_size: int):
-    world = dist.get_world_size()
-    dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+@dataclass(frozen=True)
+class Setup:
+    """How the model is sharded: EP size, API, stages, HSDP, precision, whether empty experts are skipped."""
+
+    ep: int
+    whole_model: bool = True
+    skip: bool = False
+    zero: str | int = 3  # zero_dp_strategy of fully_shard_model (whole model only)
+    hsdp: bool = False  # dense part over (dp_outer, dp_shard) = (2, world / 2)
+    outer: str = "no_shard"  # outer_dp_sharding_strategy with HSDP
+    bf16: bool = False  # bf16 compute, fp32 main weights and gradient reduction
+
+
+def _meshes(setup: Setup):
+    world, ep_size = dist.get_world_size(), setup.ep
+    if setup.hsdp:
+        dense = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    else:
+        dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     experts = init_device_mesh("cpu", (world // ep_size, ep_size), mesh_dim_names=("dp_shard", "ep"))
     ep = ExpertParallel.from_group(experts.get_group("ep")) if ep_size > 1 else ExpertParallel.single()
     return dense, experts, ep
 
 
-def _build(ep_size: int, whole_model: bool, skip: bool = False):
-    dense, experts, ep = _meshes(ep_size)
+def _build(setup: Setup):
+    dense, experts, ep = _meshes(setup)
     torch.manual_seed(1234)
-    model = MoENet(ep, skip=skip, collective=dist.new_group() if skip else None)
-    if whole_model:
+    model = MoENet(ep, skip=setup.skip, collective=dist.new_group() if setup.skip else None)
+    if setup.whole_model:
+        precision = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if setup.bf16 else {
+            "preserve_fp32_weights": False}
         wrapped = fully_shard_model(model, fsdp_unit_modules=[Block], device_mesh=dense, expt_device_mesh=experts,
-                                    dp_shard_dim="dp_shard", preserve_fp32_weights=False)
+                                    dp_shard_dim="dp_shard", dp_outer_dim="dp_outer" if setup.hsdp else None,
+                                    zero_dp_strategy=setup.zero, outer_dp_sharding_strategy=setup.outer,
+                                    **precision)
         module = wrapped.module
     else:
         for expert in expert_modules(model):
@@ -172,15 +195,15 @@ def _skipped_here_ran_there(model: nn.Module) -> bool:
     return bool(((lowest == 0) & (highest == 1)).any())
 
 
-def _train(ep_size: int, whole_model: bool, skip: bool = False,
-           ) -> tuple[list[float], nn.Module, float, bool, ExpertParallel]:
-    model, optimizer, ep = _build(ep_size, whole_model, skip)
+def _train(setup: Setup) -> tuple[list[float], nn.Module, float, bool, ExpertParallel]:
+    model, optimizer, ep = _build(setup)
+    skip = setup.skip
     world, rank = dist.get_world_size(), dist.get_rank()
     losses, norm, skipped = [], 0.0, False
     for step in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
         x, y = _batch(step, rank)
-        loss = F.mse_loss(model(x), y)
+        loss = F.mse_loss(model(x).float(), y)
         loss.backward()
         for module in model.modules():
             if isinstance(module, MoELayer):
@@ -219,28 +242,42 @@ def _full_weights(model: nn.Module, ep: ExpertParallel) -> dict[str, torch.Tenso
     return out
 
 
-def _close(actual: torch.Tensor | float, expected: torch.Tensor | float, what: str) -> None:
-    actual, expected = torch.as_tensor(actual), torch.as_tensor(expected)
+def _close(actual: torch.Tensor | float, expected: torch.Tensor | float, what: str, rtol: float = RTOL) -> float:
+    """Max difference relative to the largest expected value; raises above ``rtol``."""
+    actual, expected = torch.as_tensor(actual).float(), torch.as_tensor(expected).float()
     scale = expected.abs().max().clamp(min=1e-12)
     error = ((actual - expected).abs().max() / scale).item()
-    assert error <= RTOL, f"{what}: max relative difference {error:.3g} > {RTOL}"
+    assert error <= rtol, f"{what}: max relative difference {error:.3g} > {rtol}"
+    return error
+
+
+def _compare(setup: Setup, rtol: float = RTOL) -> float:
+    """Train under ``setup`` and compare losses, the last gradient norm and every final weight with one process.
+
+    Asserts that some expert got no token on some rank (the empty-expert step, or
+    with ``skip`` an expert unit skipped on one rank and run on another). Returns the
+    largest relative difference seen.
+    """
+    ref_losses, ref_weights, ref_norm = _reference(dist.get_world_size(), skip=setup.skip)
+    losses, model, norm, skipped, group = _train(setup)
+    flags = torch.tensor([int(skipped)])
+    dist.all_reduce(flags)
+    assert flags.item() > 0, "no rank had a local expert without tokens (skipped here and run elsewhere with skip)"
+    worst = 0.0
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        worst = max(worst, _close(a, b, f"loss at step {step}", rtol))
+    worst = max(worst, _close(norm, ref_norm, "gradient norm of the last step", rtol))
+    weights = _full_weights(model, group)
+    assert set(weights) == set(ref_weights), sorted(set(weights) ^ set(ref_weights))
+    for name, expected in ref_weights.items():
+        worst = max(worst, _close(weights[name], expected, f"weight {name} after {STEPS} steps", rtol))
+    return worst
 
 
 @check(SUITE, world_sizes=(4,), params={"ep": [1, 2], "api": ["per_module", "whole_model"]})
 def parity(ep: int, api: str) -> None:
     """EP1 and EP2 under ZeRO-3 match one process over several steps, an empty-expert step included."""
-    ref_losses, ref_weights, ref_norm = _reference(dist.get_world_size())
-    losses, model, norm, skipped, group = _train(ep, api == "whole_model")
-    flags = torch.tensor([int(skipped)])
-    dist.all_reduce(flags)
-    assert flags.item() > 0, "no rank had a local expert without tokens on the empty-expert step"
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        _close(a, b, f"loss at step {step}")
-    _close(norm, ref_norm, "gradient norm of the last step")
-    weights = _full_weights(model, group)
-    assert set(weights) == set(ref_weights), sorted(set(weights) ^ set(ref_weights))
-    for name, expected in ref_weights.items():
-        _close(weights[name], expected, f"weight {name} after {STEPS} steps")
+    _compare(Setup(ep, whole_model=api == "whole_model"))
 
 
 @check(SUITE, world_sizes=(2, 4), params={"ep": [1, 2], "api": ["per_module", "whole_model"]})
@@ -253,17 +290,25 @@ def skipped_experts(ep: int, api: str) -> None:
     Experts have equal sizes: collectives issued in different orders would pair
     one expert's gradients with another's, so every weight is compared.
     """
-    ref_losses, ref_weights, ref_norm = _reference(dist.get_world_size(), skip=True)
-    losses, model, norm, skipped, group = _train(ep, api == "whole_model", skip=True)
-    flags = torch.tensor([int(skipped)])
-    dist.all_reduce(flags)
-    assert flags.item() > 0, "no expert unit ran on one rank and was skipped on another"
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        _close(a, b, f"loss at step {step}")
-    _close(norm, ref_norm, "gradient norm of the last step")
-    weights = _full_weights(model, group)
-    for name, expected in ref_weights.items():
-        _close(weights[name], expected, f"weight {name} after {STEPS} steps")
+    _compare(Setup(ep, whole_model=api == "whole_model", skip=True))
+
+
+@check(SUITE, world_sizes=(4,), params={"outer": ["no_shard", "optim"], "skip": [False, True]})
+def hsdp_parity(outer: str, skip: bool) -> None:
+    """EP2 with the dense part under HSDP (2 replicas x 2 shards), experts over EDP, against one process."""
+    _compare(Setup(2, hsdp=True, outer=outer, skip=skip))
+
+
+@check(SUITE, world_sizes=(4,), params={"zero": ["no_shard", "optim", "optim_grads"]})
+def stage_parity(zero: str) -> None:
+    """EP2 with the other sharding stages (dense and expert units alike) against one process."""
+    _compare(Setup(2, zero=zero))
+
+
+@check(SUITE, world_sizes=(4,), params={"ep": [1, 2]})
+def bf16_parity(ep: int) -> None:
+    """bf16 compute (fp32 main weights and reductions) against the fp32 one-process reference, at ``BF16_RTOL``."""
+    _compare(Setup(ep, bf16=True), rtol=BF16_RTOL)
 
 
 @check(SUITE, world_sizes=(4,))

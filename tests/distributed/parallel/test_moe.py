@@ -1,4 +1,4 @@
-"""Mixture-of-Experts with expert parallelism (EP1, EP2) on the FSDP engine against one process, at 2 and 4 gloo ranks."""
+"""Mixture-of-Experts with expert parallelism on the FSDP engine against one process, at 2 and 4 gloo ranks."""
 
 from tests.distributed.harness import pytest_suite
 from tests.distributed.parallel import moe_checks
