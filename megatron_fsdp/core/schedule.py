@@ -189,6 +189,13 @@ class CollectiveSchedule:
         self._gather_log = []
         self._first_use = {}
         self.cursor = GatherCursor(self._default_sequence(Phase.FORWARD), self._take_held())
+        # HSDP with outer "optim": rebuild stale compute shards (a blocking all-gather across
+        # dp_outer) here, in unit order, where every rank is, and not at a unit's first gather,
+        # which a rank that skipped units reaches at another point than its peers.
+        for unit in self.units:
+            for group in unit.groups:
+                if group.outer is not None:
+                    group.refresh_compute()
         for unit in self.units:  # ZeRO-1/2: every unit's weights, once per step, in unit order
             if gathers_once_per_step(unit):
                 for group in unit.groups:

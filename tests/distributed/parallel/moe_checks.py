@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from megatron_fsdp import MixedPrecisionPolicy, fully_shard
+from megatron_fsdp import fully_shard
 from megatron_fsdp.api.fully_shard_model import expert_modules, fully_shard_model
 from megatron_fsdp.optim.grad_norm import get_grad_norm
 from megatron_fsdp.optim.optimizer import fully_shard_optimizer
@@ -37,7 +37,6 @@ from tests.distributed.harness import check
 
 SUITE = "moe"
 RTOL = 1e-5
-BF16_RTOL = 2e-2  # bf16 compute against the fp32 reference, as tests/distributed/core/precision_checks.py
 HIDDEN, EXPERTS, TOPK, FFN, LAYERS = 8, 8, 2, 12, 2
 STEPS = 10
 EMPTY_STEP = 3  # one token per rank: most experts get none somewhere
@@ -131,7 +130,7 @@ def _reference(world: int, skip: bool = False) -> tuple[list[float], dict[str, t
 
 @dataclass(frozen=True)
 class Setup:
-    """How the model is sharded: EP size, API, stages, HSDP, precision, whether empty experts are skipped."""
+    """How the model is sharded: EP size, API, stages, HSDP, whether empty experts are skipped."""
 
     ep: int
     whole_model: bool = True
@@ -139,7 +138,6 @@ class Setup:
     zero: str | int = 3  # zero_dp_strategy of fully_shard_model (whole model only)
     hsdp: bool = False  # dense part over (dp_outer, dp_shard) = (2, world / 2)
     outer: str = "no_shard"  # outer_dp_sharding_strategy with HSDP
-    bf16: bool = False  # bf16 compute, fp32 main weights and gradient reduction
 
 
 def _meshes(setup: Setup):
@@ -158,12 +156,10 @@ def _build(setup: Setup):
     torch.manual_seed(1234)
     model = MoENet(ep, skip=setup.skip, collective=dist.new_group() if setup.skip else None)
     if setup.whole_model:
-        precision = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if setup.bf16 else {
-            "preserve_fp32_weights": False}
         wrapped = fully_shard_model(model, fsdp_unit_modules=[Block], device_mesh=dense, expt_device_mesh=experts,
                                     dp_shard_dim="dp_shard", dp_outer_dim="dp_outer" if setup.hsdp else None,
                                     zero_dp_strategy=setup.zero, outer_dp_sharding_strategy=setup.outer,
-                                    **precision)
+                                    preserve_fp32_weights=False)
         module = wrapped.module
     else:
         for expert in expert_modules(model):
@@ -242,16 +238,16 @@ def _full_weights(model: nn.Module, ep: ExpertParallel) -> dict[str, torch.Tenso
     return out
 
 
-def _close(actual: torch.Tensor | float, expected: torch.Tensor | float, what: str, rtol: float = RTOL) -> float:
-    """Max difference relative to the largest expected value; raises above ``rtol``."""
+def _close(actual: torch.Tensor | float, expected: torch.Tensor | float, what: str) -> float:
+    """Max difference relative to the largest expected value; raises above ``RTOL``."""
     actual, expected = torch.as_tensor(actual).float(), torch.as_tensor(expected).float()
     scale = expected.abs().max().clamp(min=1e-12)
     error = ((actual - expected).abs().max() / scale).item()
-    assert error <= rtol, f"{what}: max relative difference {error:.3g} > {rtol}"
+    assert error <= RTOL, f"{what}: max relative difference {error:.3g} > {RTOL}"
     return error
 
 
-def _compare(setup: Setup, rtol: float = RTOL) -> float:
+def _compare(setup: Setup) -> float:
     """Train under ``setup`` and compare losses, the last gradient norm and every final weight with one process.
 
     Asserts that some expert got no token on some rank (the empty-expert step, or
@@ -265,12 +261,14 @@ def _compare(setup: Setup, rtol: float = RTOL) -> float:
     assert flags.item() > 0, "no rank had a local expert without tokens (skipped here and run elsewhere with skip)"
     worst = 0.0
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        worst = max(worst, _close(a, b, f"loss at step {step}", rtol))
-    worst = max(worst, _close(norm, ref_norm, "gradient norm of the last step", rtol))
+        worst = max(worst, _close(a, b, f"loss at step {step}"))
+    worst = max(worst, _close(norm, ref_norm, "gradient norm of the last step"))
     weights = _full_weights(model, group)
     assert set(weights) == set(ref_weights), sorted(set(weights) ^ set(ref_weights))
     for name, expected in ref_weights.items():
-        worst = max(worst, _close(weights[name], expected, f"weight {name} after {STEPS} steps", rtol))
+        worst = max(worst, _close(weights[name], expected, f"weight {name} after {STEPS} steps"))
+    if dist.get_rank() == 0:  # the measured figure, for docs/moe.md (pytest -s shows it)
+        print(f"moe {setup}: max relative difference {worst:.3g}", flush=True)
     return worst
 
 
@@ -303,12 +301,6 @@ def hsdp_parity(outer: str, skip: bool) -> None:
 def stage_parity(zero: str) -> None:
     """EP2 with the other sharding stages (dense and expert units alike) against one process."""
     _compare(Setup(2, zero=zero))
-
-
-@check(SUITE, world_sizes=(4,), params={"ep": [1, 2]})
-def bf16_parity(ep: int) -> None:
-    """bf16 compute (fp32 main weights and reductions) against the fp32 one-process reference, at ``BF16_RTOL``."""
-    _compare(Setup(ep, bf16=True), rtol=BF16_RTOL)
 
 
 @check(SUITE, world_sizes=(4,))
