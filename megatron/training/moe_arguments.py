@@ -62,7 +62,4 @@ def validate_moe_args(args: argparse.Namespace, world_size: int, fail: Callable[
         if not args.use_megatron_fsdp:
             fail("--expert-model-parallel-size > 1 needs --use-megatron-fsdp: DDP would average different experts "
                  "across the expert-parallel ranks")
-        if args.num_distributed_optimizer_instances > 1:
-            fail("--expert-model-parallel-size > 1 with --num-distributed-optimizer-instances > 1 (HSDP) is not "
-                 "supported yet; use one instance")
     args.expert_data_parallel_size = world_size // ep

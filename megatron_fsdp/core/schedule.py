@@ -148,9 +148,11 @@ class CollectiveSchedule:
         self.group_index = {id(g): i for i, g in enumerate(self.groups)}
         self.unit_of = {id(g): u for u in units for g in u.groups}
         self._track = track
+        self.parent = _enclosing_units(units)  # per unit: the nearest unit whose modules contain it (None: top)
         self.comm = units[0].comm  # the root's (control rounds are counted as its "control" bytes)
         anchor = next((g for g in self.groups), None)
         self.control: dist.ProcessGroup | None = None  # none without parameters: nothing to agree on
+        self._own_rounds: list[tuple[dist.ProcessGroup, list[int]]] = []
         self.device = torch.device("cpu")
         self.leader = True
         if anchor is not None:
@@ -161,6 +163,9 @@ class CollectiveSchedule:
             self.leader = dist.get_rank(self.control) == 0
             for group in self.groups:
                 group.reduce_process_group = group_copy("reduce", group.process_group)
+            # Groups over fewer ranks than the control round's (experts: EDP): which ranks had
+            # gradients is agreed among their own ranks too, not with ranks holding other experts.
+            self._own_rounds = _own_round_groups(self.groups, ranks)
         self.unit_order: list[int] = list(range(len(units)))  # agreed: first-use order of the last forward
         self.sequences: dict[Phase, list[int] | None] = {Phase.FORWARD: None, Phase.BACKWARD: None}
         self.cursor: GatherCursor | None = None
@@ -184,6 +189,13 @@ class CollectiveSchedule:
         self._gather_log = []
         self._first_use = {}
         self.cursor = GatherCursor(self._default_sequence(Phase.FORWARD), self._take_held())
+        # HSDP with outer "optim": rebuild stale compute shards (a blocking all-gather across
+        # dp_outer) here, in unit order, where every rank is, and not at a unit's first gather,
+        # which a rank that skipped units reaches at another point than its peers.
+        for unit in self.units:
+            for group in unit.groups:
+                if group.outer is not None:
+                    group.refresh_compute()
         for unit in self.units:  # ZeRO-1/2: every unit's weights, once per step, in unit order
             if gathers_once_per_step(unit):
                 for group in unit.groups:
@@ -216,8 +228,8 @@ class CollectiveSchedule:
                 for group in unit.groups:
                     group.finish_unshard()
         self._eligible = result.flags
-        self.sequences[Phase.FORWARD] = result.sequence
         self._agree_unit_order(result.order)
+        self.sequences[Phase.FORWARD] = self._complete(result.sequence, Phase.FORWARD)
         self.phase = None
         self.cursor = None
 
@@ -254,7 +266,7 @@ class CollectiveSchedule:
             # grads arriving after this group's turn, or for a group outside the agreed order
             extra[i] = id(group) not in ordered or i in self._issued
         result = self._close(received, extra, keep=[u.keeps_weights_after_backward() for u in self.units])
-        self.sequences[Phase.BACKWARD] = result.sequence
+        self.sequences[Phase.BACKWARD] = self._complete(result.sequence, Phase.BACKWARD)
         # The rest of the agreed order (zeros where nothing arrived), then the extras.
         for group in self._reduce_order[self._reduce_next:]:
             self._reduce(group)
@@ -265,7 +277,7 @@ class CollectiveSchedule:
         self._last_reduce_digest = _digest(self._reduce_log)
         self.phase = None
         self.cursor = None
-        return result.flags, result.kept
+        return self._among_own_ranks(received, result.flags), result.kept
 
     # -- weights ------------------------------------------------------------
     def need_weights(self, unit: FSDPUnit) -> None:
@@ -307,6 +319,7 @@ class CollectiveSchedule:
                 cursor.recorded.append(index)
             unit.unshard()
             if cursor is not None and not cursor.flushed:
+                self._issue_nested(index)
                 self._prefetch_for(unit, explicit_only=True)
             return
         cursor.held.discard(index)
@@ -318,6 +331,7 @@ class CollectiveSchedule:
                     self._pass(i)
                 self._issue(entry, own=True)
                 cursor.next = entry + 1
+                self._issue_nested(index)
                 self._prefetch_for(unit)
                 unit.unshard()
                 self._drop_scratch()
@@ -330,9 +344,77 @@ class CollectiveSchedule:
         agreed = self.sequences[phase]
         if agreed is not None:
             return agreed
-        order = self.unit_order if phase is Phase.FORWARD else list(reversed(self.unit_order))
-        return [i for i in order if is_zero3(self.units[i]) and (
-            phase is Phase.FORWARD or (self.units[i].reshard_after_forward and not self.units[i].is_root))]
+        order = self.unit_order
+        if phase is Phase.BACKWARD:  # reversed, but each unit before the units nested in it (its hook fires first)
+            position = {u: p for p, u in enumerate(self.unit_order)}
+            order = sorted(order, key=lambda i: [-position[a] for a in self._path(i)])
+        return [i for i in order if self._in_phase(i, phase)]
+
+    def _path(self, index: int) -> list[int]:
+        """The units enclosing ``index``, outermost first, then ``index``."""
+        path = [index]
+        while self.parent[path[-1]] is not None:
+            path.append(self.parent[path[-1]])
+        return path[::-1]
+
+    def _nested_in(self, index: int, parent: int) -> bool:
+        """Unit ``index`` lies inside unit ``parent`` (at any depth)."""
+        above = self.parent[index]
+        while above is not None:
+            if above == parent:
+                return True
+            above = self.parent[above]
+        return False
+
+    def _issue_nested(self, index: int) -> None:
+        """Issue at once the entries right after this point that belong to units nested in ``index``.
+
+        Units inside a unit may run on some ranks only (experts no token reached), and
+        the model's own blocking collectives (an MoE all-to-all) may come between them:
+        a rank that skips a nested unit must still have issued its all-gather before it
+        can block there, so every rank issues them all as the enclosing unit starts, at a
+        point every rank reaches (docs/design.md, section 5a). Not for the root: that
+        would gather the whole model at once.
+        """
+        cursor = self.cursor
+        if self.units[index].is_root:
+            return
+        last = cursor.next
+        while last < len(cursor.sequence) and self._nested_in(cursor.sequence[last], index):
+            last += 1
+        while cursor.issued < last:
+            self._issue(cursor.issued, own=True)
+
+    def _complete(self, sequence: list[int], phase: Phase) -> list[int]:
+        """``sequence`` with every nested unit rank 0 did not gather put in its enclosing unit's run.
+
+        A unit that rank 0 skipped may run on another rank next time; with an entry of its
+        own, right after its enclosing unit's, that rank finds it in the agreed sequence
+        (no control round, which would wait for ranks blocked in the model's collectives).
+        Each run is ordered as the units were first used (reversed in backward).
+        """
+        present = set(sequence)
+        rank = {u: p for p, u in enumerate(self.unit_order)}
+        if phase is Phase.BACKWARD:
+            rank = {u: -p for u, p in rank.items()}
+        missing = [i for i in range(len(self.units)) if i not in present and self._in_phase(i, phase)
+                   and self.parent[i] is not None and not self.units[self.parent[i]].is_root]
+        for index in sorted(missing, key=lambda i: rank[i]):
+            parent = self.parent[index]
+            if parent not in sequence:
+                continue
+            start = sequence.index(parent) + 1
+            end = start
+            while end < len(sequence) and self._nested_in(sequence[end], parent):
+                end += 1
+            run = sorted(sequence[start:end] + [index], key=lambda i: rank[i])
+            sequence = sequence[:start] + run + sequence[end:]
+        return sequence
+
+    def _in_phase(self, index: int, phase: Phase) -> bool:
+        """``index`` gathers in ``phase`` (ZeRO-3; in backward only if resharded after forward)."""
+        unit = self.units[index]
+        return is_zero3(unit) and (phase is Phase.FORWARD or (unit.reshard_after_forward and not unit.is_root))
 
     def _issue(self, entry: int, *, own: bool) -> None:
         cursor = self.cursor
@@ -447,6 +529,28 @@ class CollectiveSchedule:
         if self.cursor is not None:
             self._drop_scratch()
         return result
+
+    def _among_own_ranks(self, flags: list[bool], agreed: list[bool]) -> list[bool]:
+        """``agreed`` (a MAX over every rank), with each group over fewer ranks agreed among those only.
+
+        Unit ``i`` holds different experts on different EP ranks: whether an expert unit
+        received gradients is a question for its EDP group, or an expert no token reached
+        anywhere in its EDP group would be given zero gradients (AdamW would then move it)
+        where one process leaves it ``None``. Used only for what is installed; which
+        collectives run stays agreed over every rank. Every rank issues these rounds
+        alike, in group order, each on its own EDP group.
+        """
+        agreed = list(agreed)
+        for process_group, members in self._own_rounds:
+            local = torch.tensor([int(flags[i]) for i in members], dtype=torch.int64)
+            if dist.get_world_size(process_group) > 1:
+                on_device = local.to(self.device)
+                with self.waiting_for("a control round of expert units (core/schedule.py)"):
+                    all_reduce_max(on_device, process_group, comm=self.comm)
+                local = on_device.cpu()
+            for i, value in zip(members, local.tolist()):
+                agreed[i] = bool(value)
+        return agreed
 
     # -- control rounds -----------------------------------------------------
     def _round(self, *, active: bool, request: int | None = None, flags: list[bool] | None = None,
@@ -563,6 +667,40 @@ class CollectiveSchedule:
         self._track(reduce)
         self._issued.add(self.group_index[id(group)])
         self._reduce_log.append(self.group_index[id(group)])
+
+
+def _own_round_groups(groups: list[ParamGroup], control_ranks: list[int],
+                      ) -> list[tuple[dist.ProcessGroup, list[int]]]:
+    """Per rank set smaller than the control round's: a group copy over it and the parameter groups on it."""
+    by_ranks: dict[tuple[int, ...], list[int]] = {}
+    for i, group in enumerate(groups):
+        ranks = tuple(sorted(group.dp.mesh.mesh.flatten().tolist()))
+        if ranks != tuple(sorted(control_ranks)):
+            by_ranks.setdefault(ranks, []).append(i)
+    return [(group_copy("control", groups[members[0]].dp.shard_group, list(ranks)), members)
+            for ranks, members in by_ranks.items()]
+
+
+def _enclosing_units(units: list[FSDPUnit]) -> list[int | None]:
+    """Per unit, the index of the nearest other unit whose modules contain its module (None: none)."""
+    owner = {id(m): i for i, u in enumerate(units) for m in u.modules}
+    parent_module: dict[int, torch.nn.Module] = {}
+    for unit in units:
+        for module in unit.modules:
+            for outer in module.modules():
+                for child in outer.children():
+                    parent_module.setdefault(id(child), outer)
+    enclosing: list[int | None] = []
+    for i, unit in enumerate(units):
+        found = None
+        module = parent_module.get(id(unit.module))
+        while module is not None:
+            if owner.get(id(module), i) != i:
+                found = owner[id(module)]
+                break
+            module = parent_module.get(id(module))
+        enclosing.append(found)
+    return enclosing
 
 
 def _digest(log: list[int]) -> int:

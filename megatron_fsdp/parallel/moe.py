@@ -13,9 +13,10 @@ Megatron's schedule does). The loss the model returns is the language-model loss
 
 Experts are ``ExpertMLP`` modules, one per local expert, whose parameters carry
 Megatron's ``allreduce = False`` (what selects them for the expert data-parallel
-mesh). Every local expert runs on every step, on an empty batch when no token
-reached it (its gradients are then zeros): the all-to-alls between the experts
-block, so which FSDP units run must not depend on the data (docs/moe.md). Each
+mesh). By default every local expert runs on every step, on an empty batch when
+no token reached it (its gradients are then zeros), as Megatron's SequentialMLP;
+``skip_empty_experts=True`` runs only the experts that got tokens (the engine keeps
+collectives in step when expert units run on some ranks only; docs/moe.md). Each
 expert initialises itself from a generator seeded by (the process seed, its layer,
 its global index): the weights of expert ``e`` are
 the same whatever the EP size, and experts consume nothing of the global stream.
@@ -118,8 +119,9 @@ class MoELayer(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, topk: int, ffn_size: int, *, swiglu: bool = False,
                  std: float = 0.02, output_std: float = 0.02, aux_loss_coeff: float = 0.0, layer_number: int = 0,
-                 ep: ExpertParallel | None = None) -> None:
+                 ep: ExpertParallel | None = None, skip_empty_experts: bool = False) -> None:
         super().__init__()
+        self.skip_empty_experts = skip_empty_experts  # a local expert no token reached does not run
         self.ep = ExpertParallel.single() if ep is None else ep
         self.num_experts, self.topk, self.aux_loss_coeff = num_experts, topk, aux_loss_coeff
         self.aux_loss_scale = 1.0  # what backward multiplies the auxiliary loss by (1 / micro-batches)
@@ -140,9 +142,10 @@ class MoELayer(nn.Module):
         self.last_tokens_per_expert = tokens_per_expert
         grouped, plan = dispatch(tokens, indices, self.num_experts, self.ep)
         self.last_rows_per_local_expert = plan.expert_rows
-        # Every local expert runs, also on no token (as Megatron's SequentialMLP): which FSDP units run
-        # must not depend on the data here, because the all-to-alls between them block (docs/moe.md).
-        outputs = [expert(chunk) for expert, chunk in zip(self.local_experts, grouped.split(plan.expert_rows))]
+        # Every local expert runs, also on no token (as Megatron's SequentialMLP), unless skip_empty_experts:
+        # then an expert no token reached gets no gradient rather than a zero one (docs/moe.md).
+        outputs = [expert(chunk) for expert, chunk in zip(self.local_experts, grouped.split(plan.expert_rows))
+                   if chunk.shape[0] or not self.skip_empty_experts]
         expert_out = torch.cat(outputs) if outputs else grouped
         out = combine(expert_out, probs, plan, self.ep, tokens.shape[0]).to(x.dtype)
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():

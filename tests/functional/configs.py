@@ -116,6 +116,9 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     _cfg("moe_ep1_4", 4, " ".join([*FSDP, "optim_grads_params", *MOE])),
     _cfg("moe_ep2_4", 4, " ".join([*FSDP, "optim_grads_params", *MOE, "--expert-model-parallel-size 2"]),
          baseline="moe_ep1_4"),
+    # The same with HSDP on the dense part (2 instances x 2 shards; experts over EDP2).
+    _cfg("moe_ep2_hsdp_4", 4, " ".join([*FSDP, "optim_grads_params", *MOE, "--expert-model-parallel-size 2",
+                                        "--num-distributed-optimizer-instances 2"]), baseline="moe_ep1_4"),
     # The 2-rank ZeRO-3 checkpoint resumed with CP2 x DP2: the 2-rank run's curve continues.
     _cfg("resume_cp2_4_from_2", 4, " ".join([*FSDP, "optim_grads_params", "--context-parallel-size 2",
                                               "--load {ckpt2}"]), baseline="optim_grads_params", first=9),

@@ -24,6 +24,13 @@ def test_expert_data_parallel_size():
     assert args_for(*MOE).expert_data_parallel_size == 4
 
 
+def test_hsdp_with_expert_parallelism_is_accepted():
+    """HSDP on the dense part (2 instances) beside EP2: experts over their EDP group of world / EP ranks."""
+    args = args_for(*MOE, "--use-megatron-fsdp", "--expert-model-parallel-size", "2",
+                    "--num-distributed-optimizer-instances", "2")
+    assert args.expert_data_parallel_size == 2 and args.num_distributed_optimizer_instances == 2
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 needs --num-experts"),
     ([*MOE, "--use-megatron-fsdp", "--expert-model-parallel-size", "3"],
@@ -36,8 +43,6 @@ def test_expert_data_parallel_size():
     ([*MOE, "--context-parallel-size", "2"], "--num-experts with --context-parallel-size > 1"),
     ([*MOE, "--calculate-per-token-loss"], "--num-experts with --calculate-per-token-loss"),
     ([*MOE, "--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff must be a finite number >= 0"),
-    ([*MOE, "--use-megatron-fsdp", "--expert-model-parallel-size", "2", "--num-distributed-optimizer-instances",
-      "2"], "with --num-distributed-optimizer-instances > 1 (HSDP) is not supported"),
 ])
 def test_rejected(flags, message):
     with pytest.raises(ArgumentError) as info:
