@@ -241,6 +241,7 @@ class ParamGroup:
             self.needs_init or self.outer is not None or offload is not None
         ) and self.compute_shard is not None and self.compute_shard is not self.shard
         self.refreshes = 0  # main -> compute copies (outer 'optim': all-gathers), for tests and accounting
+        self._outer_refresh: Pending | None = None  # issued at the root's forward, chained by our all-gather
         self.unsharded = (
             FlatBuffer(self.layout.total_numel, self.compute_dtype, device, allocated=True, pool=pool)
             if self.gathers
@@ -557,6 +558,24 @@ class ParamGroup:
             self.refreshes += 1
         return pending
 
+    def start_compute_refresh(self) -> None:
+        """The root's forward: refresh a stale compute shard here, in unit order, where every rank is.
+
+        Outer 'optim' refreshes with a blocking all-gather across ``dp_outer``; issued at a
+        unit's first gather instead, a rank that skipped units would reach it at another point
+        than its peers (deadlock). On side streams it stays in flight, and this group's inner
+        all-gather is chained after it (``_gather_input``); elsewhere it is waited for at once.
+        """
+        self.settle_compute_refresh()
+        self._outer_refresh = self.refresh_compute(chain=True)
+
+    def settle_compute_refresh(self) -> None:
+        """Wait for an outer refresh no all-gather consumed (a unit that did not run), before the
+        main shard it reads can change (the optimizer step) or another refresh writes its output."""
+        if self._outer_refresh is not None:
+            self._outer_refresh.wait()
+            self._outer_refresh = None
+
     def _gather_input(self) -> tuple[torch.Tensor, dist.ProcessGroup, str, Pending | None]:
         """What this rank sends in the group's all-gather, over which group, counted as which kind.
 
@@ -568,6 +587,8 @@ class ParamGroup:
         if self.post_forward_piece is not None:
             return self.post_forward_piece, self.post_forward.group, "all_gather_post_forward", None
         refresh = self.refresh_compute(chain=True)
+        if refresh is None:  # the one started at the root's forward, if still in flight
+            refresh, self._outer_refresh = self._outer_refresh, None
         if self.compute_shard is None:
             self.uploads += 1
             return upload(self.shard, self.compute_dtype, self.device), self.process_group, "all_gather", None
@@ -770,6 +791,7 @@ class ParamGroup:
 
     def end_backward(self) -> None:
         """Reset the per-backward gradient bookkeeping; drop the post-forward shard."""
+        self.settle_compute_refresh()
         self.post_forward_piece = None
         self._grads_seen.clear()
         self.reduced_this_backward = False

@@ -195,7 +195,7 @@ class CollectiveSchedule:
         for unit in self.units:
             for group in unit.groups:
                 if group.outer is not None:
-                    group.refresh_compute()
+                    group.start_compute_refresh()
         for unit in self.units:  # ZeRO-1/2: every unit's weights, once per step, in unit order
             if gathers_once_per_step(unit):
                 for group in unit.groups:
