@@ -302,13 +302,16 @@ def no_sync_accumulation_matches_big_batch() -> None:
                                        msg=f"{strategy} {name}")
 
 
-def expect_error(exc: type[Exception], fragment: str, fn, *args, **kwargs) -> None:
+def expect_error(exc: type[Exception], fragment: str | tuple[str, ...], fn, *args, **kwargs) -> None:
+    """``fn(*args, **kwargs)`` raises ``exc`` whose message holds ``fragment`` (each of them, given several)."""
+    fragments = (fragment,) if isinstance(fragment, str) else fragment
     try:
         fn(*args, **kwargs)
     except exc as e:
-        assert fragment in str(e), f"message {str(e)!r} lacks {fragment!r}"
+        for part in fragments:
+            assert part in str(e), f"message {str(e)!r} lacks {part!r}"
     else:
-        raise AssertionError(f"no {exc.__name__} raised")
+        raise AssertionError(f"{getattr(fn, '__name__', fn)}: no {exc.__name__} raised")
 
 
 @check(SUITE, world_sizes=(4,))

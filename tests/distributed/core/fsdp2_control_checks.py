@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from megatron_fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from tests.distributed.core.engine_checks import expect_error
 from tests.distributed.harness import check
 
 SUITE = "fsdp2_controls"
@@ -311,12 +312,7 @@ def explicit_prefetch_lists_gather_early_with_identical_numbers() -> None:
         assert torch.equal(a, b), "prefetch lists that differ across ranks must give the same numbers"
     model = make_model(1)
     fully_shard(model)
-    try:
-        model.set_modules_to_forward_prefetch([nn.Linear(2, 2)])
-    except ValueError as exc:
-        assert "fully_shard" in str(exc), exc
-    else:
-        raise AssertionError("a module that is not sharded must be refused")
+    expect_error(ValueError, "fully_shard", model.set_modules_to_forward_prefetch, [nn.Linear(2, 2)])
 
 
 @check(SUITE, world_sizes=(2,))
@@ -345,12 +341,7 @@ def gradient_divide_factor_is_gradient_scaling() -> None:
             assert_parity(model, reference, f"{setter} step {step}")
             for m in (model, reference):
                 m.zero_grad()
-    try:
-        model.set_gradient_divide_factor(0)
-    except ValueError as exc:
-        assert "positive" in str(exc), exc
-    else:
-        raise AssertionError("a zero divide factor must be refused")
+    expect_error(ValueError, "positive", model.set_gradient_divide_factor, 0)
 
 
 @check(SUITE, world_sizes=(4,))

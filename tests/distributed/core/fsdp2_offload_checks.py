@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp.core.lookup import units_of
+from tests.distributed.core.engine_checks import expect_error
 from tests.distributed.harness import check
 from tests.models import ResidualMLP as Block
 
@@ -246,12 +247,7 @@ def reshard_after_forward_int_edges() -> None:
             assert "reshard_after_forward" in str(exc), exc
         else:
             raise AssertionError(f"reshard_after_forward={bad!r} must raise {error.__name__}")
-    try:
-        one.set_reshard_after_forward(2)
-    except NotImplementedError as exc:
-        assert "fully_shard(module, reshard_after_forward=N)" in str(exc), exc
-    else:
-        raise AssertionError("set_reshard_after_forward(int) must raise")
+    expect_error(NotImplementedError, "fully_shard(module, reshard_after_forward=N)", one.set_reshard_after_forward, 2)
 
 
 # -- CUDA (run by test_fsdp2_offload.py only where a GPU is present) -------------------

@@ -26,6 +26,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from megatron_fsdp import clip_grad_norm_, fully_shard
+from tests.distributed.core.engine_checks import expect_error
 from tests.distributed.harness import check, device_type, shared_tmpdir
 
 SUITE = "native_tp"
@@ -258,24 +259,15 @@ def errors_name_the_fix() -> None:
     mesh = make_mesh()
     model = replica()
     parallelize_module(model.blocks[0], mesh["tp"], block_plan(False))
-    try:
-        fully_shard(model.blocks[0], mesh=mesh)
-    except ValueError as exc:
-        assert "mesh['dp']" in str(exc) and "up.weight" in str(exc), str(exc)
-    else:
-        raise AssertionError("fully_shard accepted the (dp, tp) mesh for a tensor-parallel module")
+    expect_error(ValueError, ("mesh['dp']", "up.weight"), fully_shard, model.blocks[0], mesh=mesh)
     # parallelize_module after fully_shard on sharded weights: torch's distribute_tensor refuses our DTensors
     # ("Cannot distribute a DTensor with device mesh (dp) ..."), before anything changes.
     model = replica()
     fully_shard(model.blocks[0], mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     before = model(batch(0)[:, :-1]).detach()
-    try:
-        parallelize_module(model.blocks[0], mesh["tp"], block_plan(False))
-    except ValueError as exc:
-        assert "Cannot distribute a DTensor" in str(exc), str(exc)
-    else:
-        raise AssertionError("parallelize_module accepted a sharded module")
+    expect_error(ValueError, "Cannot distribute a DTensor", parallelize_module, model.blocks[0], mesh["tp"],
+                 block_plan(False))
     assert torch.equal(model(batch(0)[:, :-1]).detach(), before), "the refused parallelize_module changed the model"
     # On weights the module holds gathered (ZeRO-1 keeps them installed after a forward), the replaced
     # parameters are found at the next forward, and the error says to parallelize first.
@@ -284,12 +276,7 @@ def errors_name_the_fix() -> None:
     fully_shard(model, mesh=mesh["dp"], sharding_strategy="optim")
     model(batch(0)[:, :-1])
     parallelize_module(model.blocks[0], mesh["tp"], block_plan(False))
-    try:
-        model(batch(0)[:, :-1])
-    except RuntimeError as exc:
-        assert "parallelize_module" in str(exc) and "fully_shard" in str(exc), str(exc)
-    else:
-        raise AssertionError("forward ran on a module tensor-parallelized after fully_shard")
+    expect_error(RuntimeError, ("parallelize_module", "fully_shard"), model, batch(0)[:, :-1])
 
 
 @check(SUITE)
@@ -324,20 +311,11 @@ def unsupported_layouts_are_refused() -> None:
     mesh = init_device_mesh(device_type(), (1, world // TP, TP), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
     model = replica()
     parallelize_module(model.blocks[0], mesh["tp"], block_plan(False))
-    try:
-        fully_shard(model.blocks[0], mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
-    except NotImplementedError as exc:
-        assert "HSDP" in str(exc) and "up.weight" in str(exc), str(exc)
-    else:
-        raise AssertionError("HSDP beside torch-native TP was accepted")
+    expect_error(NotImplementedError, ("HSDP", "up.weight"), fully_shard, model.blocks[0], mesh=mesh,
+                 dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
     uneven = nn.Sequential(nn.Linear(DIM, HIDDEN + 1))
     parallelize_module(uneven, make_mesh()["tp"], {"0": ColwiseParallel()})
-    try:
-        fully_shard(uneven, mesh=make_mesh()["dp"])
-    except NotImplementedError as exc:
-        assert "0.weight" in str(exc) and "evenly" in str(exc), str(exc)
-    else:
-        raise AssertionError("an uneven TP split was accepted")
+    expect_error(NotImplementedError, ("0.weight", "evenly"), fully_shard, uneven, mesh=make_mesh()["dp"])
 
 
 @check(SUITE)

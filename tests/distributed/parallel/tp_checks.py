@@ -26,6 +26,7 @@ from megatron_fsdp.parallel import (
     vocab_parallel_cross_entropy,
 )
 from megatron_fsdp.parallel.tp_group import take_partition
+from tests.distributed.core.engine_checks import expect_error
 from tests.distributed.harness import check, device, device_type
 
 SUITE = "tp"
@@ -137,12 +138,7 @@ def context_parallel_split_is_load_balanced():
     assert cp.sequence_indices(8, rank=0).tolist() == [0, 1, 6, 7]  # chunks 0 and 3 of 4
     assert cp.sequence_indices(8, rank=1).tolist() == [2, 3, 4, 5]
     assert cp.gathered_indices(8).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
-    try:
-        cp.sequence_indices(6)
-    except ValueError as error:
-        assert "divisible by 2 x --context-parallel-size (4)" in str(error), error
-    else:
-        raise AssertionError("a sequence of 6 split over 2 CP ranks: no error")
+    expect_error(ValueError, "divisible by 2 x --context-parallel-size (4)", cp.sequence_indices, 6)
 
 
 @check(SUITE, world_sizes=(2,))
