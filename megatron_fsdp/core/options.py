@@ -33,9 +33,10 @@ class EngineOptions:
         buffer_pool: borrow unsharded weights' memory from the process's ``BufferPool``
             (memory/allocator.py) instead of allocating it per use. Default on, or the
             ``MEGATRON_FSDP_BUFFER_POOL`` environment variable (``0``: off).
-        gloo_fast_paths: on gloo (CPU), all-gather as one broadcast per rank and
-            reduce-scatter a dying gradient buffer as an in-place all-reduce (same bytes,
-            bitwise the same numbers; comm/collectives.py).
+        gloo_fast_paths: on gloo (CPU), all-gather as one broadcast per rank, and
+            reduce-scatter over 2 ranks as one exchange of halves (over more, a dying
+            gradient buffer as an in-place all-reduce): bitwise the numbers of the plain
+            collectives (comm/collectives.py).
         side_streams: on CUDA, issue all-gathers and reduce-scatters from their own streams.
         max_reduces_in_flight: gradient reductions left in flight while backward goes on
             (memory bound); 0 makes every reduction synchronous (Megatron's

@@ -176,3 +176,39 @@ def nothing_is_in_flight_after_a_forward_without_backward() -> None:
             with torch.no_grad():
                 loss_fn(model, local_batch(step, rank, n))
             assert works_in_flight() == 0, (strategy, step)
+
+
+@check(SUITE)
+def gloo_fast_paths_give_the_plain_collectives_numbers() -> None:
+    """``CommConfig.gloo_fast_paths``: bitwise the plain all-gather and reduce-scatter, at 2 and 4 ranks.
+
+    Over 2 ranks the reduce-scatter is an exchange of halves (each rank adds what it receives
+    into its own half) and leaves its input unchanged; over more, a scratch input is summed in
+    place. Values spread over magnitudes so that any other summation order would show.
+    """
+    from megatron_fsdp.comm.collectives import CommConfig, all_gather, reduce_scatter
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(n)))
+    fast, plain = CommConfig(gloo_fast_paths=True), CommConfig(gloo_fast_paths=False)
+    generator = torch.Generator().manual_seed(7 + rank)
+    shard_numel = 1037  # odd: no alignment hides an off-by-one
+    grads = torch.randn(n * shard_numel, generator=generator) * torch.logspace(-6, 6, n * shard_numel)
+    outputs = {}
+    for name, comm in (("fast", fast), ("plain", plain)):
+        out = torch.empty(shard_numel)
+        source = grads.clone()
+        reduce_scatter(out, source, group, input_is_scratch=False, comm=comm).wait()
+        assert torch.equal(source, grads), f"{name}: a reduce-scatter of an input still in use changed it"
+        scratch = torch.empty(shard_numel)
+        reduce_scatter(scratch, grads.clone(), group, input_is_scratch=True, comm=comm).wait()
+        assert torch.equal(scratch, out), f"{name}: the scratch path summed differently"
+        gathered = torch.empty(n * shard_numel)
+        all_gather(gathered, out, group, comm=comm).wait()
+        outputs[name] = (out, gathered)
+    for a, b in zip(outputs["fast"], outputs["plain"]):
+        assert torch.equal(a, b), f"fast paths differ from the plain collectives by {(a - b).abs().max().item():.3g}"
+    expected = torch.stack([torch.randn(n * shard_numel, generator=torch.Generator().manual_seed(7 + r))
+                            for r in range(n)]) * torch.logspace(-6, 6, n * shard_numel)
+    torch.testing.assert_close(outputs["fast"][1], expected.sum(0), rtol=1e-6, atol=0)
+    dist.destroy_process_group(group)
