@@ -7,9 +7,11 @@ A group owns three pieces of storage (docs/design.md section 2):
 - ``unsharded``: the whole flat buffer, filled by one all-gather of ``shard``;
   the parameters the module computes with are views of it (no copy-in, no
   copy-out). When the group is not sharded (one shard) it is ``shard`` itself.
-- ``grad_buffer``: the whole flat gradient buffer, behind ``param.main_grad``.
-  Reduced by one reduce-scatter (or all-reduce) straight into the sharded
-  gradients.
+- ``grad_buffer``: the whole flat gradient buffer, made when the group's gradients
+  are reduced (or kept across backwards without a reduction). Reduced by one
+  reduce-scatter (or all-reduce) straight into the sharded gradients. Until then a
+  backward's gradients stay the tensors autograd made (``_stash``), as in FSDP2, unless a
+  fused kernel asked for ``main_grad`` (``get_main_grad()``, see ``contribution``).
 
 Which of these are sharded is decided by the ``ShardingPlan``; the group only
 reads its three flags.
@@ -264,10 +266,20 @@ class ParamGroup:
             meta = torch.empty(tuple(ref.param.shape), dtype=ref.param.dtype, device="meta")
             ref.param = nn.Parameter(meta, ref.param.requires_grad)
 
+        # Gradients not reduced yet live in three places (docs/design.md, "Gradients"):
+        # - _stash: this backward's gradients as autograd made them, by parameter index, copied
+        #   into a flat buffer only when reduced: no full-size buffer (nor zero-filling) for the
+        #   whole backward, which for a tied embedding (whose gradient comes last) is all of it;
+        # - contribution: the flat buffer behind main_grad, made zeroed by get_main_grad() for
+        #   fused wgrad kernels, which write it (Megatron-LM overwrites, TransformerEngine adds);
+        #   one per backward, so an overwrite never loses an earlier backward's gradient;
+        # - grad_buffer: what earlier backwards accumulated without a reduction (no_sync).
         self.grad_buffer: torch.Tensor | None = None
-        # A gradient went into grad_buffer since it was last reduced or dropped. The buffer
-        # alone proves nothing: pre_backward allocates it (main_grad views) before any
-        # gradient arrives, and a parameter whose output is unused never gets one.
+        self.contribution: torch.Tensor | None = None
+        self._stash: dict[int, torch.Tensor] = {}
+        self._stash_owned: set[int] = set()  # stashed tensors made here (sums), safe to add into in place
+        # A gradient arrived since the group was last reduced or dropped (a parameter whose
+        # output is unused never gets one).
         self.holds_grads = False
         self._grads_seen: set[int] = set()
         self.reduced_this_backward = False
@@ -706,38 +718,36 @@ class ParamGroup:
                 module._parameters[name] = param
 
     # -- gradients ----------------------------------------------------------
-    def prepare_grad_buffer(self) -> None:
-        """Make ``main_grad`` views exist before this group's backward runs."""
-        if not self._grad_indices:
-            return
-        if self.grad_buffer is None:
-            self.grad_buffer = self.spares.zeros(self.layout.total_numel, self.grad_dtype, self.device)
-        for i in self._grad_indices:
-            slot = self.layout.slots[i]
-            self.unsharded_params[i].main_grad = self.grad_buffer.narrow(0, slot.offset, slot.numel).view(slot.shape)
+    def _slot_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
+        slot = self.layout.slots[index]
+        return buffer.narrow(0, slot.offset, slot.numel).view(slot.shape)
 
     def main_grad_of(self, index: int) -> torch.Tensor:
-        """The ``main_grad`` of parameter ``index``, allocating the gradient buffer if it does not exist yet.
+        """The ``main_grad`` of parameter ``index``: a view of this backward's ``contribution`` buffer.
 
-        The unsharded parameters' ``get_main_grad``: TransformerEngine calls it (in backward, or
-        in forward) instead of reading ``main_grad`` when ``__fsdp_param__`` is set. The buffer
-        then lives until this group's reduction, so what forward took is what backward fills.
+        The unsharded parameters' ``get_main_grad``: Megatron-LM's layers and TransformerEngine
+        call it (in backward, or in forward) instead of reading ``main_grad`` when
+        ``__fsdp_param__`` is set, and write the weight gradient into it. The buffer is made
+        zeroed at the first call of a backward and sets ``main_grad`` on every trainable
+        parameter of the group; it is folded into the gradients at the end of that backward
+        (or its reduction), so what forward took is what backward fills.
         """
-        param = self.unsharded_params[index]
         if index not in self._grad_indices:
             raise RuntimeError(f"get_main_grad() of parameter '{self.refs[index].fqn}', which does not require "
                                "grad: only trainable parameters have a main_grad")
-        if self.grad_buffer is None or getattr(param, "main_grad", None) is None:
-            self.prepare_grad_buffer()
-        return param.main_grad
+        if self.contribution is None:
+            self.contribution = self.spares.zeros(self.layout.total_numel, self.grad_dtype, self.device)
+            if self._stash:  # gradients that came first (a bias before its weight's kernel) go in now, in order
+                self._stash_into(self.contribution, fresh=False)
+            for i in self._grad_indices:
+                self.unsharded_params[i].main_grad = self._slot_view(self.contribution, i)
+        return self.unsharded_params[index].main_grad
 
     def _drop_main_grads(self) -> None:
         for i in self._grad_indices:
             self.unsharded_params[i].__dict__.pop("main_grad", None)
 
     def _on_grad_accumulated(self, index: int, param: nn.Parameter) -> None:
-        if self.grad_buffer is None or getattr(param, "main_grad", None) is None:
-            self.prepare_grad_buffer()
         if param.grad is not None:
             # megatron-core DDP's rule: a fused wgrad kernel that set grad_added_to_main_grad has
             # already added its gradient to main_grad and .grad is its dummy, unless the weight
@@ -745,7 +755,7 @@ class ParamGroup:
             # zero_out_wgrad, the dummy is zeros and .grad holds the other uses' gradient.
             if not getattr(param, "grad_added_to_main_grad", False) or getattr(param, "zero_out_wgrad", False):
                 spec = self.refs[index].tp
-                param.main_grad.add_(param.grad if spec is None else spec.local_grad(param.grad))
+                self._accumulate(index, (param.grad if spec is None else spec.local_grad(param.grad)).detach())
             param.grad = None
         param.grad_added_to_main_grad = False  # consumed; the kernel sets it again in the next backward
         self._grads_seen.add(index)
@@ -756,9 +766,85 @@ class ParamGroup:
             self.grads_complete = True
             self._on_grads_ready(self)
 
+    def _accumulate(self, index: int, grad: torch.Tensor) -> None:
+        """Take one gradient of parameter ``index`` (a buffer's slot if one is open, else the stash)."""
+        buffer = self.contribution if self.contribution is not None else self.grad_buffer
+        if buffer is not None:
+            self._slot_view(buffer, index).add_(grad)
+        elif index in self._stash_owned:
+            self._stash[index].add_(grad)
+        elif index in self._stash:  # a second gradient: another backward without a reduction, or
+            # a second pass of one backward (reentrant checkpointing). Summed in grad_dtype, as in a buffer.
+            self._stash[index] = self._stash[index].to(self.grad_dtype, copy=True).add_(grad)
+            self._stash_owned.add(index)
+        else:
+            # A view of a larger gradient (a slice of what torch.cat's backward made) would keep
+            # all of it alive until the reduction.
+            base = grad._base
+            self._stash[index] = grad.clone() if base is not None and base.numel() > grad.numel() else grad
+
+    def _fold_contribution(self) -> None:
+        """Move this backward's ``main_grad`` buffer into the accumulated gradients; drop the views."""
+        if self.contribution is None:
+            return
+        if self.grad_buffer is None:
+            self.grad_buffer = self.contribution
+        else:
+            self.grad_buffer.add_(self.contribution)
+        self.contribution = None
+        self._drop_main_grads()
+
+    def _take_grads(self, zeros_if_none: bool) -> torch.Tensor | None:
+        """The flat buffer of every gradient not reduced yet (None if there is none); the group keeps none.
+
+        Stashed gradients are copied into a buffer that is not zero-filled first: only what
+        they do not cover (alignment padding, parameters without a gradient) is zeroed.
+        """
+        self._fold_contribution()
+        buffer, self.grad_buffer = self.grad_buffer, None
+        if self._stash:
+            fresh = buffer is None
+            if fresh:
+                buffer = self.spares.empty(self.layout.total_numel, self.grad_dtype, self.device)
+            self._stash_into(buffer, fresh)
+        elif buffer is None and zeros_if_none:
+            buffer = self.spares.zeros(self.layout.total_numel, self.grad_dtype, self.device)
+        return buffer
+
+    def _stash_into(self, buffer: torch.Tensor, fresh: bool) -> None:
+        stash, self._stash = self._stash, {}
+        self._stash_owned = set()
+        if not fresh:
+            for index, grad in stash.items():
+                self._slot_view(buffer, index).add_(grad)
+            return
+        end = 0
+        for index in sorted(stash, key=lambda i: self.layout.slots[i].offset):
+            slot = self.layout.slots[index]
+            if slot.offset > end:
+                buffer.narrow(0, end, slot.offset - end).zero_()
+            self._slot_view(buffer, index).copy_(stash.pop(index))  # each gradient freed once copied
+            end = slot.offset + slot.numel
+        if buffer.numel() > end:
+            buffer.narrow(0, end, buffer.numel() - end).zero_()
+
+    def scale_unreduced(self, factor: float) -> None:
+        """Multiply the gradients not reduced yet by ``factor``."""
+        for buffer in (self.grad_buffer, self.contribution):
+            if buffer is not None:
+                buffer.mul_(factor)
+        for index, grad in self._stash.items():
+            if index in self._stash_owned:
+                grad.mul_(factor)
+            else:  # autograd's tensor, which a hook of the user's may still reference
+                self._stash[index] = grad * factor
+
     def discard_unreduced_grads(self) -> None:
         """Drop gradients accumulated but not reduced yet (``zero_grad_buffer``)."""
         self.grad_buffer = None
+        self.contribution = None
+        self._stash = {}
+        self._stash_owned = set()
         self.holds_grads = False
         self.partial_outer = None
         self._drop_main_grads()
@@ -791,6 +877,7 @@ class ParamGroup:
 
     def end_backward(self) -> None:
         """Reset the per-backward gradient bookkeeping; drop the post-forward shard."""
+        self._fold_contribution()  # the next backward's fused kernels get a fresh main_grad buffer
         self.settle_compute_refresh()
         self.post_forward_piece = None
         self._grads_seen.clear()
@@ -801,7 +888,8 @@ class ParamGroup:
     @property
     def grads_pending(self) -> bool:
         """Gradients are accumulated here but not fully reduced (nor installed as ``.grad``)."""
-        return (self.grad_buffer is not None and not self.reduced_this_backward) or self.partial_outer is not None
+        unreduced = self.grad_buffer is not None or self.contribution is not None or bool(self._stash)
+        return (unreduced and not self.reduced_this_backward) or self.partial_outer is not None
 
     def reduce_grads(self, sync: bool, scaling: GradScaling, *, zeros_if_none: bool = False) -> PendingReduce | None:
         """Start reducing the accumulated gradients (unless ``sync`` is off).
@@ -811,11 +899,9 @@ class ParamGroup:
         """
         if not sync:
             return None
-        if self.grad_buffer is None:
-            if not zeros_if_none:
-                return None
-            self.grad_buffer = self.spares.zeros(self.layout.total_numel, self.grad_dtype, self.device)
-        buffer, self.grad_buffer = self.grad_buffer, None
+        buffer = self._take_grads(zeros_if_none)
+        if buffer is None:
+            return None
         self.holds_grads = False
         self._drop_main_grads()
         self.reduced_this_backward = True

@@ -94,8 +94,7 @@ def scale_grads(units: list[FSDPUnit], factor: float) -> None:
     with torch.no_grad():
         for unit in units:
             for group in unit.groups:
-                if group.grad_buffer is not None:
-                    group.grad_buffer.mul_(factor)
+                group.scale_unreduced(factor)
                 for param in group.sharded_params:
                     if param.grad is not None:
                         grad = param.grad

@@ -4,7 +4,7 @@ Its methods are the module's hooks:
 
     pre_forward    unshard (all-gather) the unit's groups
     post_forward   reshard (ZeRO-3, non-root) and arm the pre-backward hook
-    pre_backward   unshard again; make main_grad buffers exist
+    pre_backward   unshard again
     grads ready    (per group, when every trainable parameter's grad arrived)
                    reduce-scatter / all-reduce into the sharded gradients
     post_backward  (autograd reached the unit's inputs) reshard
@@ -425,8 +425,6 @@ class FSDPUnit:
         else:
             self.root_state.begin_backward()
             self.root_state.need_weights(self)
-        for group in self.groups:
-            group.prepare_grad_buffer()
 
     def on_grads_ready(self, group: ParamGroup) -> None:
         """Every trainable parameter of ``group`` has its gradient: reduce it when its turn comes."""

@@ -8,6 +8,10 @@ parameter has ``__fsdp_param__``, as TE does for Megatron-FSDP), sets
 Models built from it must train exactly like the same model built from plain autograd ops,
 under every strategy, including an embedding weight tied to a fused output layer
 (``zero_out_wgrad``) and a unit called twice per forward; and like DDP over the plain model.
+With ``overwrite`` the kernel writes the gradient instead of adding it, as Megatron-LM's
+``LinearWithGradAccumulationAndAsyncCommunication`` does for Megatron-FSDP parameters
+(``torch.matmul(..., out=weight.main_grad)`` after ``get_main_grad()``): micro-batches
+accumulated without a reduction must still add up.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ class FusedWgradLinearFn(torch.autograd.Function):
     """``x @ weight.T`` whose backward accumulates the weight gradient into ``main_grad`` (TE's fused wgrad)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, read_main_grad_in_forward: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, read_main_grad_in_forward: bool,
+                overwrite: bool = False) -> torch.Tensor:
         ctx.weight = weight  # the Parameter object itself: its attributes are read and set in backward
+        ctx.overwrite = overwrite
         if read_main_grad_in_forward:  # TE versions that take main_grad in forward
             main_grad = weight.get_main_grad() if getattr(weight, "__fsdp_param__", False) else weight.main_grad
             ctx.main_grad_func = lambda: main_grad
@@ -50,50 +56,56 @@ class FusedWgradLinearFn(torch.autograd.Function):
         x, weight_data = ctx.saved_tensors
         weight = ctx.weight
         grad_x = grad_out.mm(weight_data)
-        ctx.main_grad_func().add_(grad_out.t().mm(x))
+        if ctx.overwrite:
+            torch.matmul(grad_out.t(), x, out=ctx.main_grad_func())
+        else:
+            ctx.main_grad_func().add_(grad_out.t().mm(x))
         if not hasattr(weight, "grad_added_to_main_grad"):
-            return grad_x, None, None  # no AccumulateGrad runs for the weight: no hook fires
+            return grad_x, None, None, None  # no AccumulateGrad runs for the weight: no hook fires
         weight.grad_added_to_main_grad = True
         if getattr(weight, "zero_out_wgrad", False):
             dummy = torch.zeros_like(weight_data)
         else:  # TE returns torch.empty: anything added from it is a bug, so make it loud
             dummy = torch.full_like(weight_data, float("nan"))
-        return grad_x, dummy, None
+        return grad_x, dummy, None, None
 
 
-def linear(x: torch.Tensor, weight: nn.Parameter, fused: bool, read_in_forward: bool) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: nn.Parameter, fused: bool, read_in_forward: bool,
+           overwrite: bool = False) -> torch.Tensor:
     if fused:
-        return FusedWgradLinearFn.apply(x, weight, read_in_forward)
+        return FusedWgradLinearFn.apply(x, weight, read_in_forward, overwrite)
     return x.mm(weight.t())
 
 
 class Layer(nn.Module):
-    def __init__(self, fused: bool, read_in_forward: bool) -> None:
+    def __init__(self, fused: bool, read_in_forward: bool, overwrite: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(DIM, DIM) / DIM**0.5)
         self.bias = nn.Parameter(torch.randn(DIM) * 0.1)  # plain autograd: its .grad goes through the hook
-        self.fused, self.read_in_forward = fused, read_in_forward
+        self.fused, self.read_in_forward, self.overwrite = fused, read_in_forward, overwrite
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(linear(x, self.weight, self.fused, self.read_in_forward) + self.bias)
+        return torch.tanh(linear(x, self.weight, self.fused, self.read_in_forward, self.overwrite) + self.bias)
 
 
 class TiedLM(nn.Module):
-    """Embedding tied to a (fused) output layer, as Megatron's GPT with shared embeddings; layers[0] runs twice."""
+    """Embedding tied to a (fused) output layer, as Megatron's GPT with shared embeddings; layers[0] runs
+    twice unless the kernel overwrites (Megatron-LM never calls a layer twice: a second write would win)."""
 
-    def __init__(self, fused: bool, read_in_forward: bool = False) -> None:
+    def __init__(self, fused: bool, read_in_forward: bool = False, overwrite: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.embed.weight.zero_out_wgrad = True  # what megatron-core sets on the shared weight
-        self.layers = nn.ModuleList([Layer(fused, read_in_forward) for _ in range(2)])
-        self.fused, self.read_in_forward = fused, read_in_forward
+        self.layers = nn.ModuleList([Layer(fused, read_in_forward, overwrite) for _ in range(2)])
+        self.fused, self.read_in_forward, self.overwrite = fused, read_in_forward, overwrite
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens).reshape(-1, DIM)
         for layer in self.layers:
             x = layer(x)
-        x = self.layers[0](x)  # one unit twice: its fused wgrads add up in main_grad
-        return linear(x, self.embed.weight, self.fused, self.read_in_forward)
+        if not self.overwrite:
+            x = self.layers[0](x)  # one unit twice: its fused wgrads add up in main_grad
+        return linear(x, self.embed.weight, self.fused, self.read_in_forward, self.overwrite)
 
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -101,9 +113,9 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits, tokens[:, 1:].reshape(-1))
 
 
-def build(fused: bool, read_in_forward: bool = False) -> TiedLM:
+def build(fused: bool, read_in_forward: bool = False, overwrite: bool = False) -> TiedLM:
     torch.manual_seed(0)
-    return TiedLM(fused, read_in_forward)
+    return TiedLM(fused, read_in_forward, overwrite)
 
 
 def shard(model: TiedLM, strategy: str) -> TiedLM:
@@ -113,12 +125,16 @@ def shard(model: TiedLM, strategy: str) -> TiedLM:
     return model
 
 
-def train(model: nn.Module, steps: int, backwards_per_step: int = 1) -> list[torch.Tensor]:
-    """SGD with momentum; ``backwards_per_step`` > 1 accumulates (the engine adds each reduction into .grad)."""
+def train(model: nn.Module, steps: int, backwards_per_step: int = 1, no_sync: bool = False) -> list[torch.Tensor]:
+    """SGD with momentum; ``backwards_per_step`` > 1 accumulates: each backward reduced and added into
+    .grad, or with ``no_sync`` the gradients kept unreduced until the last micro-batch's backward
+    (``set_requires_gradient_sync``, Megatron's ``no_sync``)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):
         for micro in range(backwards_per_step):
+            if no_sync:
+                model.set_requires_gradient_sync(micro == backwards_per_step - 1)
             lm_loss(model, local_batch(step * backwards_per_step + micro, rank, n)).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -143,6 +159,18 @@ def fused_wgrad_trains_like_plain_autograd(strategy: str, read_in_forward: bool)
         fused = train(shard(build(fused=True, read_in_forward=read_in_forward), strategy), steps=3,
                       backwards_per_step=backwards)
         assert_same(fused, plain, f"{strategy}, {backwards} backward(s) per step")
+
+
+@check(SUITE, world_sizes=(2,), params={"strategy": STRATEGIES, "read_in_forward": [False, True]})
+def overwriting_wgrad_accumulates_across_unreduced_microbatches(strategy: str, read_in_forward: bool) -> None:
+    """Megatron-LM's kernel writes main_grad (``out=``) each backward; three micro-batches kept unreduced
+    (``set_requires_gradient_sync(False)``) and one reduced must still sum all four: bitwise the plain model."""
+    for no_sync in (False, True):
+        plain = train(shard(build(fused=False, overwrite=True), strategy), steps=2, backwards_per_step=4,
+                      no_sync=no_sync)
+        fused = train(shard(build(fused=True, read_in_forward=read_in_forward, overwrite=True), strategy), steps=2,
+                      backwards_per_step=4, no_sync=no_sync)
+        assert_same(fused, plain, f"{strategy}, overwriting kernel, no_sync={no_sync}")
 
 
 @check(SUITE, world_sizes=(2,), params={"strategy": STRATEGIES})
