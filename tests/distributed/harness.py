@@ -188,6 +188,11 @@ def _worker(rank: int, world_size: int, port: int, module: str, suite: str, out_
             results[name] = None
         except Exception:  # reported per check by pytest
             results[name] = traceback.format_exc()
+        except BaseException:  # SystemExit, or KeyboardInterrupt (SIGINT): spawn's wrapper exits 0 on
+            # it, so without this record the check would read "no results written" with no cause
+            results[name] = f"the rank was stopped inside this check:\n{traceback.format_exc()}"
+            _write_results(out_dir, rank, results)
+            raise
         finally:
             faulthandler.cancel_dump_traceback_later()
         _write_results(out_dir, rank, results)  # kept even if this rank dies below
