@@ -1,0 +1,141 @@
+"""The gradient path users drive (docs/design.md, "Gradients"): accumulation without a reduction
+over several micro-batches combined with unused, frozen and unfrozen parameters, mixed precision,
+CPU offload and HSDP; second backwards, recomputation and ``torch.autograd.grad``; Megatron's
+``scale_gradients``/``zero_grad_buffer`` mid-accumulation; hooks of the user's.
+
+Each check compares the reduced ``.grad`` with a single-process replica that runs every rank's
+micro-batches with plain autograd (so ``.grad`` accumulates as PyTorch's does), divided by the
+number of ranks. The replica sums in another order than the reduction: ``RTOL``/``ATOL`` below,
+unless a check says it is bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from megatron_fsdp import fully_shard
+from tests.distributed.harness import check, device_type
+from tests.models import Net, global_batch, loss_fn
+
+SUITE = "grad_path"
+K = 3  # micro-batches per step
+RTOL, ATOL = 1e-5, 1e-6  # fp32, the replica's summation order differs from the reduction's
+
+
+class Skippy(Net):
+    """``Net`` whose blocks can be skipped (unused parameters) or recomputed in backward."""
+
+    skip: tuple[int, ...] = ()
+    recompute: str | None = None  # None, "reentrant" or "non_reentrant"
+
+    def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute is None:
+            return block(x)
+        return checkpoint(block, x, use_reentrant=self.recompute == "reentrant")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.tiny
+        x = self.frozen(x)
+        for i, block in enumerate(self.blocks):
+            if i not in self.skip:
+                x = self.run_block(block, x)
+        x = self.run_block(self.blocks[0], x)  # block 0 twice: its hook fires twice under reentrant recompute
+        return self.head(x)
+
+
+def world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def configs() -> Iterator[tuple[str, dict]]:
+    """(label, fully_shard kwargs): ZeRO-1/2/3, no_shard, CPU offload, and HSDP (2 x n/2) at 4 ranks."""
+    _, n = world()
+    for strategy in ("optim_grads_params", "optim_grads", "optim", "no_shard"):
+        yield strategy, dict(sharding_strategy=strategy)
+    yield "offload", dict(offload_policy=CPUOffloadPolicy())
+    if n == 4:
+        mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+        yield "hsdp", dict(mesh=mesh)
+
+
+def shard(model: Skippy, **kwargs) -> Skippy:
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def micro_batches(step: int, rank: int) -> tuple[torch.Tensor, ...]:
+    _, n = world()
+    return global_batch(step, n, per_rank=2 * K).chunk(n)[rank].chunk(K)
+
+
+def full(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def assert_grads_match(model: nn.Module, replica: nn.Module, what: str, rtol: float = RTOL, atol: float = ATOL) -> None:
+    for (name, p), q in zip(model.named_parameters(), replica.parameters()):
+        got, want = full(p.grad), q.grad
+        if want is None:  # a unit reduces zeros for its parameters without a gradient (an unused one's)
+            assert got is None or not got.any(), f"{what} {name}: .grad is set, the replica's is None"
+            continue
+        assert got is not None, f"{what} {name}: .grad is None, the replica's is set"
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{what} {n}: {m}")
+
+
+def replica_grads(replica: nn.Module, step: int, micro: Callable[[nn.Module, int, torch.Tensor], None]) -> None:
+    """Every rank's micro-batches on ``replica`` with plain autograd, then ``.grad /= n`` (the mean)."""
+    _, n = world()
+    for rank in range(n):
+        for k, batch in enumerate(micro_batches(step, rank)):
+            micro(replica, k, batch)
+    with torch.no_grad():
+        for p in replica.parameters():
+            if p.grad is not None:
+                p.grad.div_(n)
+
+
+def accumulate(model: nn.Module, step: int, micro: Callable[[nn.Module, int, torch.Tensor], None]) -> None:
+    """K micro-batches, the first K-1 with ``set_requires_gradient_sync(False)``."""
+    rank, _ = world()
+    for k, batch in enumerate(micro_batches(step, rank)):
+        model.set_requires_gradient_sync(k == K - 1)
+        micro(model, k, batch)
+
+
+def unused_and_frozen(model: nn.Module, k: int, batch: torch.Tensor) -> None:
+    """Block 2 unused in micro-batch 0; block 1's up weight frozen in micro-batch 1 only; block 2's
+    down weight trained in micro-batch 0 only; the frozen layer trained in micro-batch 2 only."""
+    model.skip = (2,) if k == 0 else ()
+    model.blocks[1].up.weight.requires_grad_(k != 1)
+    model.blocks[2].up.weight.requires_grad_(k == 0)
+    model.frozen.weight.requires_grad_(k == 2)
+    (loss_fn(model, batch) / K).backward()
+    model.skip = ()
+
+
+@check(SUITE)
+def no_sync_with_unused_and_frozen_parameters_matches_plain_accumulation() -> None:
+    """A parameter unused or frozen in some micro-batches keeps what the others accumulated (as .grad
+    does in plain PyTorch), also when frozen at the reducing one; one trained only in the last gets
+    that one's gradient. Between micro-batches a ZeRO-1/2 or no_shard module shows the compute-time
+    parameter: freezing it there counts (it was undone at the next forward)."""
+    torch.manual_seed(0)
+    base = Skippy()
+    replica = copy.deepcopy(base)
+    replica_grads(replica, 0, unused_and_frozen)
+    for label, kwargs in configs():
+        model = shard(copy.deepcopy(base), **kwargs)
+        accumulate(model, 0, unused_and_frozen)
+        assert_grads_match(model, replica, label)
+        assert not model.blocks[2].up.weight.requires_grad and model.frozen.weight.requires_grad, label
