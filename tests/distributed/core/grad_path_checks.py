@@ -22,7 +22,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from megatron_fsdp import fully_shard
+from megatron_fsdp import MegatronFSDP, MixedPrecisionPolicy, fully_shard
 from tests.distributed.harness import check, device_type
 from tests.models import Net, global_batch, loss_fn
 
@@ -139,3 +139,73 @@ def no_sync_with_unused_and_frozen_parameters_matches_plain_accumulation() -> No
         accumulate(model, 0, unused_and_frozen)
         assert_grads_match(model, replica, label)
         assert not model.blocks[2].up.weight.requires_grad and model.frozen.weight.requires_grad, label
+
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # fp32 main weights and main gradients
+# Megatron-style calls between micro-batches: ("micro", k) a backward, ("scale", f) scale_gradients,
+# ("zero",) zero_grad_buffer. "stash": scaled while one bf16 gradient is stashed (autograd's tensor);
+# "sum": scaled after two were summed; "zero": the buffer dropped after the first micro-batch.
+PLANS = {
+    "stash": (("micro", 0), ("scale", 1 / 3), ("micro", 1), ("micro", 2)),
+    "sum": (("micro", 0), ("micro", 1), ("scale", 0.7), ("micro", 2)),
+    "zero": (("micro", 0), ("zero",), ("micro", 1), ("scale", 1 / 3), ("micro", 2)),
+}
+
+
+def bf16_rank_sum(base: nn.Module, rank: int, plan: tuple) -> list[torch.Tensor | None]:
+    """One rank's gradients as fp32 main gradients accumulate them: each micro-batch's bf16 gradient
+    widened to fp32 and added, scaling applied in fp32 (the semantics of a zeroed fp32 buffer)."""
+    compute = copy.deepcopy(base).to(torch.bfloat16)
+    total: list[torch.Tensor | None] = [None] * len(list(compute.parameters()))
+    for op, *arg in plan:
+        if op == "zero":
+            total = [None] * len(total)
+        elif op == "scale":
+            total = [None if t is None else t * arg[0] for t in total]
+        else:
+            compute.zero_grad()
+            (loss_fn(compute, micro_batches(0, rank)[arg[0]]) / K).backward()
+            for i, p in enumerate(compute.parameters()):
+                if p.grad is not None:
+                    total[i] = p.grad.float() if total[i] is None else total[i] + p.grad.float()
+    return total
+
+
+@check(SUITE, params={"plan": tuple(PLANS)})
+def megatron_calls_mid_accumulation_keep_fp32_main_grad_semantics(plan: str) -> None:
+    """bf16 compute, fp32 main gradients, Megatron's loop (micro-batches under ``no_sync`` but the last,
+    then ``finish_grad_sync``): scale_gradients and zero_grad_buffer between micro-batches give what a
+    zeroed fp32 buffer gave, although the stash holds bf16 gradients until the reduction. Bitwise at
+    2 ranks (one reduction of each rank's sum, a + b either way round); at 4 the reduction's order
+    differs: RTOL/ATOL."""
+    rank, n = world()
+    torch.manual_seed(0)
+    base = Skippy()
+    sums = [bf16_rank_sum(base, r, PLANS[plan]) for r in range(n)]
+    last = max(arg[0] for op, *arg in PLANS[plan] if op == "micro")
+    for label, kwargs in configs():
+        model = MegatronFSDP(shard(copy.deepcopy(base), mp_policy=BF16, **kwargs))
+        for op, *arg in PLANS[plan]:
+            if op == "zero":
+                model.zero_grad_buffer()
+            elif op == "scale":
+                model.scale_gradients(arg[0])
+            elif arg[0] == last:
+                (loss_fn(model, micro_batches(0, rank)[arg[0]]) / K).backward()
+            else:
+                with model.no_sync():
+                    (loss_fn(model, micro_batches(0, rank)[arg[0]]) / K).backward()
+        model.finish_grad_sync()
+        for i, (name, p) in enumerate(model.module.named_parameters()):
+            if sums[0][i] is None:
+                continue
+            want = sum(s[i] / n for s in sums)
+            got = full(p.grad)
+            assert got is not None and got.dtype == torch.float32, f"{label} {name}: {got}"
+            if n == 2:
+                assert torch.equal(got, want), (
+                    f"{label} {name}: {int((got != want).sum())} of {want.numel()} differ, by up to "
+                    f"{(got - want).abs().max().item() / want.abs().max().item():.3g} of the largest")
+            else:
+                torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m, w=f"{label} {name}": f"{w}: {m}")
