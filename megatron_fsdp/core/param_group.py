@@ -847,8 +847,10 @@ class ParamGroup:
         for index, grad in self._stash.items():
             if index in self._stash_owned:
                 grad.mul_(factor)
-            else:  # autograd's tensor, which a hook of the user's may still reference
-                self._stash[index] = grad * factor
+            else:  # autograd's tensor, which a hook of the user's may still reference: scale a
+                # copy, widened to grad_dtype as a buffer would hold it (a bf16 product rounds)
+                self._stash[index] = grad.to(self.grad_dtype) * factor
+                self._stash_owned.add(index)
 
     def discard_unreduced_grads(self) -> None:
         """Drop gradients accumulated but not reduced yet (``zero_grad_buffer``)."""
