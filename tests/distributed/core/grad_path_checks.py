@@ -42,8 +42,10 @@ class Skippy(Net):
             return block(x)
         return checkpoint(block, x, use_reentrant=self.recompute == "reentrant")
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(tokens) + self.tiny
+        if noise is not None:  # what a torch.autograd.grad metric differentiates by
+            x = x + noise
         x = self.frozen(x)
         for i, block in enumerate(self.blocks):
             if i not in self.skip:
@@ -209,3 +211,102 @@ def megatron_calls_mid_accumulation_keep_fp32_main_grad_semantics(plan: str) -> 
             else:
                 torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL,
                                            msg=lambda m, w=f"{label} {name}": f"{w}: {m}")
+
+
+def logits_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def retain_graph_twice(model: nn.Module, k: int, batch: torch.Tensor) -> None:
+    loss = loss_fn(model, batch) / K
+    loss.backward(retain_graph=True)
+    (loss * 0.5).backward()
+
+
+def gradient_metric_then_backward(model: nn.Module, k: int, batch: torch.Tensor) -> None:
+    """torch.autograd.grad for a metric (graph retained), then the normal backward of the same graph."""
+    noise = torch.zeros(*batch[:, :-1].shape, model.embed.embedding_dim, requires_grad=True)
+    loss = logits_loss(model(batch[:, :-1], noise), batch)
+    torch.autograd.grad(loss, noise, retain_graph=True)
+    (loss / K).backward()
+
+
+def recomputed(mode: str) -> Callable[[nn.Module, int, torch.Tensor], None]:
+    def micro(model: nn.Module, k: int, batch: torch.Tensor) -> None:
+        model.recompute = mode
+        (loss_fn(model, batch) / K).backward()
+        model.recompute = None
+    return micro
+
+
+AUTOGRAD_CASES = {
+    "retain_graph_twice": retain_graph_twice,
+    "gradient_metric_then_backward": gradient_metric_then_backward,
+    "reentrant_checkpoint": recomputed("reentrant"),
+    "non_reentrant_checkpoint": recomputed("non_reentrant"),
+}
+
+
+@check(SUITE, params={"case": tuple(AUTOGRAD_CASES)})
+def autograd_patterns_under_no_sync_accumulation(case: str) -> None:
+    """A second backward of one graph, torch.autograd.grad (no .grad accumulation) before the
+    backward, activation checkpointing with a unit run twice (its hook fires twice per backward
+    when reentrant), each in every micro-batch of a no_sync accumulation: what plain autograd
+    accumulates in .grad."""
+    micro = AUTOGRAD_CASES[case]
+    torch.manual_seed(0)
+    base = Skippy()
+    replica = copy.deepcopy(base)
+    replica_grads(replica, 0, micro)
+    for label, kwargs in configs():
+        model = shard(copy.deepcopy(base), **kwargs)
+        accumulate(model, 0, micro)
+        assert_grads_match(model, replica, label)
+
+
+
+def plain_micro(model: nn.Module, k: int, batch: torch.Tensor) -> None:
+    (loss_fn(model, batch) / K).backward()
+
+
+def train_with_optimizer_in_backward(model: nn.Module, steps: int, label: str) -> dict[str, int]:
+    """FSDP2's recipe: one SGD per sharded parameter, stepped by its post-accumulate-grad hook.
+    Returns how often each parameter's hook ran."""
+    calls: dict[str, int] = {}
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters() if p.requires_grad}
+
+    def step_in_backward(param: nn.Parameter, name: str) -> None:
+        assert param.grad is not None, f"{label} {name}: hook ran without .grad"
+        calls[name] = calls.get(name, 0) + 1
+        optimizers[param].step()
+        optimizers[param].zero_grad()
+
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(lambda p, name=name: step_in_backward(p, name))
+    for step in range(steps):
+        accumulate(model, step, plain_micro)
+    return calls
+
+
+@check(SUITE)
+def optimizer_in_backward_post_accumulate_hooks_on_sharded_parameters() -> None:
+    """FSDP2's optimizer-in-backward: a post-accumulate-grad hook registered on each sharded parameter
+    runs once its reduced .grad is installed (once per no_sync accumulation), sees that gradient,
+    steps and drops it; two steps match the replica stepped after its backward."""
+    torch.manual_seed(0)
+    base = Skippy()
+    replica = copy.deepcopy(base)
+    replica_opt = torch.optim.SGD(replica.parameters(), lr=0.1)
+    for step in range(2):
+        replica_grads(replica, step, plain_micro)
+        replica_opt.step()
+        replica_opt.zero_grad()
+    for label, kwargs in configs():
+        model = shard(copy.deepcopy(base), **kwargs)
+        calls = train_with_optimizer_in_backward(model, 2, label)
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        assert calls == dict.fromkeys(trainable, 2), f"{label}: hook calls {calls}, want 2 for each of {trainable}"
+        for (name, p), q in zip(model.named_parameters(), replica.parameters()):
+            torch.testing.assert_close(full(p).detach(), q.detach(), rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, w=f"{label} {name}": f"{w}: {m}")
