@@ -992,4 +992,8 @@ class ParamGroup:
             else:
                 param.grad.to_local().add_(local)
             self._sync_sharded_main_grad(i)
+            # As FSDP2 does: the sharded parameter's .grad is set by us, not by autograd's
+            # AccumulateGrad, so its post-accumulate hooks (optimizer in backward) run here.
+            for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+                hook(param)
 
