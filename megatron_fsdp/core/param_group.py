@@ -720,7 +720,11 @@ class ParamGroup:
 
     def _install(self, params: list[nn.Parameter], *, check: bool = True) -> None:
         """Point every use at ``params``; ``check``: first refuse a parameter replaced behind our back
-        (``parallelize_module`` after ``fully_shard``), which installing would silently undo."""
+        (``parallelize_module`` after ``fully_shard``), which installing would silently undo, and carry
+        a ``requires_grad`` set on the parameter shown until now over to the one shown next (a unit
+        gathered without running its forward, e.g. skipped in a micro-batch, would hide it)."""
+        if check:
+            self.follow_requires_grad()
         for i, (ref, param) in enumerate(zip(self.refs, params)):
             if check:
                 self._check_not_replaced(ref, self.sharded_params[i], self.unsharded_params[i])

@@ -310,3 +310,40 @@ def optimizer_in_backward_post_accumulate_hooks_on_sharded_parameters() -> None:
         for (name, p), q in zip(model.named_parameters(), replica.parameters()):
             torch.testing.assert_close(full(p).detach(), q.detach(), rtol=RTOL, atol=ATOL,
                                        msg=lambda m, w=f"{label} {name}": f"{w}: {m}")
+
+
+@check(SUITE)
+def zero_grad_keeping_tensors_and_clipping_after_accumulation() -> None:
+    """zero_grad(set_to_none=False) between steps (the reduced gradient is added into the kept zeros),
+    clip_grad_norm_ after the last micro-batch: the same total norm and weights as the replica.
+    No weight decay: the root unit installs zeros for its unused parameters (the probe), where the
+    replica's .grad stays None and AdamW would skip it."""
+    torch.manual_seed(0)
+    base = Skippy()
+    replica = copy.deepcopy(base)
+    replica_opt = torch.optim.AdamW(replica.parameters(), lr=1e-2, weight_decay=0.0)
+    want_norms, want_grads = [], []
+    for step in range(2):
+        replica_grads(replica, step, unused_and_frozen)
+        snapshot = copy.deepcopy(replica)  # deepcopy does not copy .grad
+        for q, r in zip(snapshot.parameters(), replica.parameters()):
+            q.grad = None if r.grad is None else r.grad.clone()
+        want_grads.append(snapshot)
+        want_norms.append(torch.nn.utils.clip_grad_norm_(replica.parameters(), 0.05))
+        replica_opt.step()
+        replica_opt.zero_grad(set_to_none=False)
+    for label, kwargs in configs():
+        model = shard(copy.deepcopy(base), **kwargs)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        for step in range(2):
+            accumulate(model, step, unused_and_frozen)
+            assert_grads_match(model, want_grads[step], f"{label} step {step}")
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            torch.testing.assert_close(full(norm), want_norms[step], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, w=f"{label} step {step}": f"{w} norm: {m}")
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        for (name, p), q in zip(model.named_parameters(), replica.parameters()):
+            torch.testing.assert_close(full(p).detach(), q.detach(), rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, w=f"{label} {name}": f"{w}: {m}")
+
