@@ -346,4 +346,3 @@ def zero_grad_keeping_tensors_and_clipping_after_accumulation() -> None:
         for (name, p), q in zip(model.named_parameters(), replica.parameters()):
             torch.testing.assert_close(full(p).detach(), q.detach(), rtol=RTOL, atol=ATOL,
                                        msg=lambda m, w=f"{label} {name}": f"{w}: {m}")
-
