@@ -278,6 +278,11 @@ class ParamGroup:
         self.contribution: torch.Tensor | None = None
         self._stash: dict[int, torch.Tensor] = {}
         self._stash_owned: set[int] = set()  # stashed tensors made here (sums), safe to add into in place
+        # Parameters that received a gradient not reduced yet, and those whose reduction is in
+        # flight: a parameter frozen after some micro-batches keeps what they accumulated (as
+        # .grad does in plain PyTorch), so install_grads installs these besides the trainable ones.
+        self._unreduced: set[int] = set()
+        self._reducing: set[int] = set()
         # A gradient arrived since the group was last reduced or dropped (a parameter whose
         # output is unused never gets one).
         self.holds_grads = False
@@ -484,12 +489,17 @@ class ParamGroup:
         The sharded parameters are the ones users see, so that is where a parameter is
         frozen or unfrozen after ``fully_shard`` (FSDP2 allows it: fine-tuning, BitFit).
         Without this the module computed with the old flag: autograd still produced the
-        frozen weight's gradient and the optimizer updated it.
+        frozen weight's gradient and the optimizer updated it. Between micro-batches
+        accumulated without a reduction, a ZeRO-1/2 or no_shard module still shows the
+        compute-time parameter (kept gathered), so a flag changed there counts too: whichever
+        of the two differs from the group's last flag (``_grad_indices``) was changed by the user.
         """
         for index, (sharded, unsharded) in enumerate(zip(self.sharded_params, self.unsharded_params)):
-            flag = sharded.requires_grad
-            if unsharded.requires_grad == flag:
+            was = index in self._grad_indices
+            if sharded.requires_grad == was and unsharded.requires_grad == was:
                 continue
+            flag = not was
+            sharded.requires_grad_(flag)
             unsharded.requires_grad_(flag)
             if flag:
                 self._hook(index, unsharded)
@@ -710,7 +720,11 @@ class ParamGroup:
 
     def _install(self, params: list[nn.Parameter], *, check: bool = True) -> None:
         """Point every use at ``params``; ``check``: first refuse a parameter replaced behind our back
-        (``parallelize_module`` after ``fully_shard``), which installing would silently undo."""
+        (``parallelize_module`` after ``fully_shard``), which installing would silently undo, and carry
+        a ``requires_grad`` set on the parameter shown until now over to the one shown next (a unit
+        gathered without running its forward, e.g. skipped in a micro-batch, would hide it)."""
+        if check:
+            self.follow_requires_grad()
         for i, (ref, param) in enumerate(zip(self.refs, params)):
             if check:
                 self._check_not_replaced(ref, self.sharded_params[i], self.unsharded_params[i])
@@ -768,6 +782,7 @@ class ParamGroup:
 
     def _accumulate(self, index: int, grad: torch.Tensor) -> None:
         """Take one gradient of parameter ``index`` (a buffer's slot if one is open, else the stash)."""
+        self._unreduced.add(index)
         buffer = self.contribution if self.contribution is not None else self.grad_buffer
         if buffer is not None:
             self._slot_view(buffer, index).add_(grad)
@@ -836,8 +851,10 @@ class ParamGroup:
         for index, grad in self._stash.items():
             if index in self._stash_owned:
                 grad.mul_(factor)
-            else:  # autograd's tensor, which a hook of the user's may still reference
-                self._stash[index] = grad * factor
+            else:  # autograd's tensor, which a hook of the user's may still reference: scale a
+                # copy, widened to grad_dtype as a buffer would hold it (a bf16 product rounds)
+                self._stash[index] = grad.to(self.grad_dtype) * factor
+                self._stash_owned.add(index)
 
     def discard_unreduced_grads(self) -> None:
         """Drop gradients accumulated but not reduced yet (``zero_grad_buffer``)."""
@@ -845,6 +862,7 @@ class ParamGroup:
         self.contribution = None
         self._stash = {}
         self._stash_owned = set()
+        self._unreduced = set()
         self.holds_grads = False
         self.partial_outer = None
         self._drop_main_grads()
@@ -904,6 +922,8 @@ class ParamGroup:
             return None
         self.holds_grads = False
         self._drop_main_grads()
+        self._reducing |= self._unreduced | self._grad_indices
+        self._unreduced = set()
         self.reduced_this_backward = True
         scaling.apply(buffer, self.dp.size)
         if self.comm_dtype != buffer.dtype:
@@ -967,7 +987,8 @@ class ParamGroup:
         if self.offload is not None:
             reduced_shard = download(reduced_shard, self.dtype, self.offload)
             self.downloads += 1
-        for i in sorted(self._grad_indices):
+        installing, self._reducing = self._reducing | self._grad_indices, set()
+        for i in sorted(installing):
             param = self.sharded_params[i]
             local = self.shard_view(i, reduced_shard).to(self.dtype)
             if param.grad is None:
@@ -975,4 +996,8 @@ class ParamGroup:
             else:
                 param.grad.to_local().add_(local)
             self._sync_sharded_main_grad(i)
+            # As FSDP2 does: the sharded parameter's .grad is set by us, not by autograd's
+            # AccumulateGrad, so its post-accumulate hooks (optimizer in backward) run here.
+            for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+                hook(param)
 
