@@ -28,6 +28,23 @@ class GradScaling:
         elif self.mode == "factor":
             grads.mul_(self.factor)
 
+    def write(self, out: torch.Tensor, grads: torch.Tensor, dp_size: int) -> None:
+        """``out`` = ``grads`` scaled as ``apply`` would scale them: one pass where the dtypes match.
+
+        The same operation on the same values as ``out.copy_(grads)`` then ``apply(out)``, so
+        the same numbers; a cast (bf16 gradients into an fp32 buffer) is copied first and
+        scaled in ``out``'s dtype, as ``apply`` would.
+        """
+        if grads.dtype != out.dtype:
+            out.copy_(grads)
+            self.apply(out, dp_size)
+        elif self.mode == "mean" and dp_size > 1:
+            torch.div(grads, dp_size, out=out)
+        elif self.mode == "factor":
+            torch.mul(grads, self.factor, out=out)
+        else:
+            out.copy_(grads)
+
 
 def resolve_grad_scaling(value: str | float | GradScaling, *, argument: str = "gradient_scaling") -> GradScaling:
     """Accept ``"mean"``, ``"sum"``, a number (the factor) or a ``GradScaling``."""

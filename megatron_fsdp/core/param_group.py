@@ -809,24 +809,30 @@ class ParamGroup:
         self.contribution = None
         self._drop_main_grads()
 
-    def _take_grads(self, zeros_if_none: bool) -> torch.Tensor | None:
-        """The flat buffer of every gradient not reduced yet (None if there is none); the group keeps none.
+    def _take_grads(self, zeros_if_none: bool, scaling: GradScaling) -> torch.Tensor | None:
+        """The flat buffer of every gradient not reduced yet, scaled by ``scaling`` (None if there is
+        none); the group keeps none.
 
-        Stashed gradients are copied into a buffer that is not zero-filled first: only what
-        they do not cover (alignment padding, parameters without a gradient) is zeroed.
+        Stashed gradients are written into a buffer that is not zero-filled first, scaled on the
+        way in (one pass instead of a copy and a scaling pass): only what they do not cover
+        (alignment padding, parameters without a gradient) is zeroed.
         """
         self._fold_contribution()
         buffer, self.grad_buffer = self.grad_buffer, None
+        if self._stash and buffer is None:
+            buffer = self.spares.empty(self.layout.total_numel, self.grad_dtype, self.device)
+            self._stash_into(buffer, fresh=True, scaling=scaling)
+            return buffer
         if self._stash:
-            fresh = buffer is None
-            if fresh:
-                buffer = self.spares.empty(self.layout.total_numel, self.grad_dtype, self.device)
-            self._stash_into(buffer, fresh)
+            self._stash_into(buffer, fresh=False)
         elif buffer is None and zeros_if_none:
             buffer = self.spares.zeros(self.layout.total_numel, self.grad_dtype, self.device)
+        if buffer is not None:
+            scaling.apply(buffer, self.dp.size)
         return buffer
 
-    def _stash_into(self, buffer: torch.Tensor, fresh: bool) -> None:
+    def _stash_into(self, buffer: torch.Tensor, fresh: bool, scaling: GradScaling | None = None) -> None:
+        """Add the stash into ``buffer``, or (``fresh``) write it there scaled by ``scaling``, zeroing the gaps."""
         stash, self._stash = self._stash, {}
         self._stash_owned = set()
         if not fresh:
@@ -838,7 +844,7 @@ class ParamGroup:
             slot = self.layout.slots[index]
             if slot.offset > end:
                 buffer.narrow(0, end, slot.offset - end).zero_()
-            self._slot_view(buffer, index).copy_(stash.pop(index))  # each gradient freed once copied
+            scaling.write(self._slot_view(buffer, index), stash.pop(index), self.dp.size)  # each freed once written
             end = slot.offset + slot.numel
         if buffer.numel() > end:
             buffer.narrow(0, end, buffer.numel() - end).zero_()
@@ -917,7 +923,7 @@ class ParamGroup:
         """
         if not sync:
             return None
-        buffer = self._take_grads(zeros_if_none)
+        buffer = self._take_grads(zeros_if_none, scaling)
         if buffer is None:
             return None
         self.holds_grads = False
@@ -925,7 +931,6 @@ class ParamGroup:
         self._reducing |= self._unreduced | self._grad_indices
         self._unreduced = set()
         self.reduced_this_backward = True
-        scaling.apply(buffer, self.dp.size)
         if self.comm_dtype != buffer.dtype:
             buffer = buffer.to(self.comm_dtype)
         if self.dp.shard_size == 1:
