@@ -49,11 +49,12 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, unit: FSDPUnit, *inputs: torch.Tensor):
         ctx.unit = unit
+        ctx.instance = unit.open_instance(ctx)
         return inputs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        ctx.unit.post_backward()
+        ctx.unit.post_backward(ctx.instance)
         return (None, *grads)
 
 
@@ -125,6 +126,11 @@ class FSDPUnit:
         self.state = TrainingState.IDLE
         self.forward_grad_calls = 0  # forwards with grad enabled since the last backward
         self._reshard_when_complete = False
+        # Forward passes of this unit whose graph is alive and whose backward has not reached the
+        # unit's inputs yet (several: a unit called twice, or two forwards before one backward).
+        # Its weights stay gathered until the last one: such a graph may still read them through a
+        # frozen parameter, which no gradient hook tracks. A graph dropped unused closes its pass.
+        self._open_passes = 0
         for mod in (module, *others):
             mod.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
             mod.register_forward_hook(self.post_forward, always_call=True)
@@ -419,6 +425,15 @@ class FSDPUnit:
 
     # -- backward -----------------------------------------------------------
     def pre_backward(self, *_: Any) -> None:
+        if torch.is_grad_enabled() and any(g.gathers for g in self.groups):
+            # The engine runs backward hooks in grad mode only under create_graph=True.
+            raise RuntimeError(
+                f"megatron_fsdp: a backward with create_graph=True (double backward, e.g. a gradient "
+                f"penalty) reached unit '{type(self.module).__name__}', whose weights are gathered "
+                f"(sharding_strategy={self.plan.name!r}): they are released when that backward ends, "
+                "but the graph create_graph builds reads them in the next one. Use "
+                "sharding_strategy='no_shard' for such a model, or a penalty that needs no create_graph."
+            )
         self.state = TrainingState.BACKWARD
         if self.root_state is None:
             self.unshard()
@@ -444,9 +459,29 @@ class FSDPUnit:
     def _grads_complete(self) -> bool:
         return all(g.grads_complete for g in self.groups if g.requires_grad)
 
-    def post_backward(self) -> None:
-        """Autograd computed the gradients of the unit's inputs."""
-        if not self.plan.params or not self.reshard_after_backward:
+    def open_instance(self, node: object) -> list[bool] | None:
+        """A forward pass registered its post-backward ``node``; recomputations in backward are not counted.
+
+        Returns the pass's token (``[closed]``), closed by ``post_backward`` or when ``node`` (the
+        pass's graph) is freed without its backward reaching this unit.
+        """
+        if self.state is not TrainingState.FORWARD:
+            return None
+        token = [False]
+        self._open_passes += 1
+        weakref.finalize(node, self._close_pass, token)
+        return token
+
+    def _close_pass(self, token: list[bool]) -> None:
+        if not token[0]:
+            token[0] = True
+            self._open_passes -= 1
+
+    def post_backward(self, token: list[bool] | None = None) -> None:
+        """Autograd computed the gradients of the unit's inputs (for the forward pass of ``token``)."""
+        if token is not None:
+            self._close_pass(token)
+        if not self.plan.params or not self.reshard_after_backward or self._open_passes > 0:
             return
         if self._grads_complete:
             self.reshard()
