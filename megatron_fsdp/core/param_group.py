@@ -282,6 +282,10 @@ class ParamGroup:
         # flight: a parameter frozen after some micro-batches keeps what they accumulated (as
         # .grad does in plain PyTorch), so install_grads installs these besides the trainable ones.
         self._unreduced: set[int] = set()
+        # Parameters that received a gradient here since the last reduction's install decision
+        # (no_sync micro-batches included), and those whose .grad the last installs created.
+        self.used_since_sync: set[int] = set()
+        self.fresh_grads: set[int] = set()
         self._reducing: set[int] = set()
         # A gradient arrived since the group was last reduced or dropped (a parameter whose
         # output is unused never gets one).
@@ -773,6 +777,7 @@ class ParamGroup:
             param.grad = None
         param.grad_added_to_main_grad = False  # consumed; the kernel sets it again in the next backward
         self._grads_seen.add(index)
+        self.used_since_sync.add(index)
         self.received_grads = True
         self.holds_grads = True
         if self._grads_seen == self._grad_indices:
@@ -869,6 +874,7 @@ class ParamGroup:
         self._stash = {}
         self._stash_owned = set()
         self._unreduced = set()
+        self.used_since_sync = set()
         self.holds_grads = False
         self.partial_outer = None
         self._drop_main_grads()
@@ -898,6 +904,23 @@ class ParamGroup:
         """
         for index in self._grad_indices:
             self._sync_sharded_main_grad(index)
+
+    def drop_unused_fresh_grads(self, used: set[int] | None) -> None:
+        """Undo the ``.grad`` the last installs created for parameters no rank had a gradient for.
+
+        ``used``: the parameters some rank of the reduction group had a gradient for since
+        the last reduction (None: unknown, keep everything). As DDP and FSDP2 leave such a
+        parameter's ``.grad`` as it was, a zero one (which AdamW would decay) is not kept.
+        """
+        if self.partial_outer is not None:  # HSDP held back: nothing installed, the bits run on
+            return
+        fresh, self.fresh_grads = self.fresh_grads, set()
+        self.used_since_sync = set()
+        if used is None:
+            return
+        for i in sorted(fresh - used):
+            self.sharded_params[i].grad = None
+            self._sync_sharded_main_grad(i)
 
     def end_backward(self) -> None:
         """Reset the per-backward gradient bookkeeping; drop the post-forward shard."""
@@ -998,6 +1021,7 @@ class ParamGroup:
             local = self.shard_view(i, reduced_shard).to(self.dtype)
             if param.grad is None:
                 param.grad = self.as_dtensor(i, local)
+                self.fresh_grads.add(i)
             else:
                 param.grad.to_local().add_(local)
             self._sync_sharded_main_grad(i)

@@ -105,6 +105,7 @@ class RoundResult:
     order: list[int]  # per unit: rank 0's first-use position + 1 (0: not used)
     sequence: list[int]  # rank 0's gathers (unit indices) this phase
     kept: list[bool]  # per unit: every rank keeps its gathered weights past this backward
+    used: list[bool]  # per parameter of every group in order: some rank had a gradient for it
 
 
 class GatherCursor:
@@ -246,7 +247,7 @@ class CollectiveSchedule:
         self._reduce_next = 0
         self.advance_reductions()
 
-    def end_backward(self) -> tuple[list[bool], list[bool]]:
+    def end_backward(self) -> tuple[list[bool], list[bool], list[set[int] | None]]:
         """Close the backward: issue the reductions left, in the agreed order (not waited for).
 
         Returns, per parameter group, whether any rank had gradients for it: a
@@ -265,7 +266,9 @@ class CollectiveSchedule:
                 continue
             # grads arriving after this group's turn, or for a group outside the agreed order
             extra[i] = id(group) not in ordered or i in self._issued
-        result = self._close(received, extra, keep=[u.keeps_weights_after_backward() for u in self.units])
+        used = [i in g.used_since_sync for g in self.groups for i in range(len(g.sharded_params))]
+        result = self._close(received, extra, keep=[u.keeps_weights_after_backward() for u in self.units],
+                             used=used)
         self.sequences[Phase.BACKWARD] = self._complete(result.sequence, Phase.BACKWARD)
         # The rest of the agreed order (zeros where nothing arrived), then the extras.
         for group in self._reduce_order[self._reduce_next:]:
@@ -277,7 +280,20 @@ class CollectiveSchedule:
         self._last_reduce_digest = _digest(self._reduce_log)
         self.phase = None
         self.cursor = None
-        return self._among_own_ranks(received, result.flags), result.kept
+        return self._among_own_ranks(received, result.flags), result.kept, self._used_per_group(result.used)
+
+    def _used_per_group(self, used: list[bool]) -> list[set[int] | None]:
+        """Per group, the parameters some rank had a gradient for; None for groups over fewer
+        ranks than the control round (expert units): their bits are a MAX over ranks outside
+        their reduction group, so nothing is dropped there (zeros are kept, as before)."""
+        own = {i for _, members in self._own_rounds for i in members}
+        out: list[set[int] | None] = []
+        offset = 0
+        for gi, group in enumerate(self.groups):
+            n = len(group.sharded_params)
+            out.append(None if gi in own else {i for i in range(n) if used[offset + i]})
+            offset += n
+        return out
 
     # -- weights ------------------------------------------------------------
     def need_weights(self, unit: FSDPUnit) -> None:
@@ -518,11 +534,12 @@ class CollectiveSchedule:
                 self.cursor.scratch.extend(_participate(unit))
         self._drop_scratch()
 
-    def _close(self, flags: list[bool], extra: list[bool], keep: list[bool] | None = None) -> RoundResult:
+    def _close(self, flags: list[bool], extra: list[bool], keep: list[bool] | None = None,
+               used: list[bool] | None = None) -> RoundResult:
         if self.cursor is not None:
             self._flush()
         while True:
-            result = self._round(active=False, flags=flags, extra=extra, keep=keep)
+            result = self._round(active=False, flags=flags, extra=extra, keep=keep, used=used)
             if not result.active:
                 break
             self._gather_requested(result.requests, own=None)
@@ -554,11 +571,16 @@ class CollectiveSchedule:
 
     # -- control rounds -----------------------------------------------------
     def _round(self, *, active: bool, request: int | None = None, flags: list[bool] | None = None,
-               extra: list[bool] | None = None, keep: list[bool] | None = None) -> RoundResult:
+               extra: list[bool] | None = None, keep: list[bool] | None = None,
+               used: list[bool] | None = None) -> RoundResult:
         n_units, n_groups = len(self.units), len(self.groups)
+        n_params = sum(len(g.sharded_params) for g in self.groups)
         cap = 4 * n_units + 16
-        payload = torch.zeros(1 + 2 * n_units + 2 * n_groups + 1 + cap + n_units + 4, dtype=torch.int64)
+        payload = torch.zeros(1 + 2 * n_units + 2 * n_groups + 1 + cap + n_params + n_units + 4, dtype=torch.int64)
         drop = len(payload) - 4 - n_units  # per unit: 1 where this rank cannot keep its weights (MAX: any rank)
+        bits = drop - n_params  # per parameter: 1 where this rank had a gradient for it (MAX: any rank)
+        if used is not None:
+            payload[bits:drop] = torch.tensor(used, dtype=torch.int64)
         if keep is not None:
             payload[drop:drop + n_units] = torch.tensor([not k for k in keep], dtype=torch.int64)
         payload[0] = int(active)
@@ -599,6 +621,7 @@ class CollectiveSchedule:
             order=values[offset:offset + n_units],
             sequence=[v - 1 for v in values[offset + n_units + 1:offset + n_units + 1 + length]],
             kept=[keep is not None and not v for v in values[drop:drop + n_units]],
+            used=[bool(v) for v in values[bits:drop]],
         )
 
     def _check_in_step(self, gathers_max: int, gathers_neg_min: int, reduces_max: int, reduces_neg_min: int) -> None:

@@ -146,13 +146,16 @@ class RootState:
         """Issue the reductions left (in the agreed order), wait, install, reshard, reset."""
         self._callback_queued = False
         self._forward_without_backward = False
-        had_grads, kept = self.schedule.end_backward()
+        had_grads, kept, used = self.schedule.end_backward()
         self.drain()
         for reduce in self._zeros_only:
             # zeros from here; install only if another rank had gradients (else None, as DDP)
             if had_grads[self.schedule.group_index[id(reduce.group)]] and reduce.result is not None:
                 reduce.group.install_grads(reduce.result)
         self._zeros_only = []
+        for group, used_here in zip(self.schedule.groups, used):
+            if group.reduced_this_backward or group.fresh_grads:  # a reduction decided; else no_sync goes on
+                group.drop_unused_fresh_grads(used_here)
         step_may_follow = self.root.optimizer_step_may_follow
         for unit, keep in zip(self.units, kept):
             unit.finish_backward(keep_weights=keep)
