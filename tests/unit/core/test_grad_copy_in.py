@@ -22,9 +22,13 @@ class PartlyUsed(nn.Module):
         super().__init__()
         # Odd sizes (alignment padding between slots); unused ones before and after the used one.
         self.before, self.used, self.after = nn.Linear(7, 2), nn.Linear(3, 5), nn.Linear(1, 3)
+        self.everything = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.used(x)  # ``before`` and ``after`` get no gradient
+        y = self.used(x)  # ``before`` and ``after`` get no gradient, unless ``everything``
+        if self.everything:
+            y = y + self.before(x.new_ones(x.shape[0], 7)).sum() + self.after(x.new_ones(x.shape[0], 1)).sum()
+        return y
 
 
 def test_a_dirty_spare_buffer_leaks_nothing_into_the_gradients(gloo_rank) -> None:
@@ -63,3 +67,26 @@ def test_micro_batches_without_sync_add_up_in_the_stash(gloo_rank) -> None:
             assert model.weight.grad is None, "no reduction without sync"
     for name, param in model.named_parameters():
         assert torch.equal(param.grad.full_tensor(), dict(reference.named_parameters())[name].grad), name
+
+
+def test_gaps_are_zeroed_where_an_unused_parameter_keeps_its_gradient(gloo_rank) -> None:
+    """Without zero_grad, a parameter unused in the next backward keeps last backward's .grad: the reduction
+    adds its slot into it, so a slot left dirty (another unit's gradients, NaN here) would show there."""
+    torch.manual_seed(0)
+    model = PartlyUsed()
+    reference = copy.deepcopy(model)
+    fully_shard(model)
+    group = model.fsdp_unit.groups[0]
+    x = torch.randn(4, 3)
+    for m in (model, reference):
+        m.everything = True
+        m(x).square().sum().backward()  # every parameter gets a gradient
+        m.everything = False
+    group.spares.give_back(torch.full((group.layout.total_numel,), float("nan")))
+    for m in (model, reference):
+        m(x).square().sum().backward()  # only ``used``: its gradient adds up, the others keep theirs
+    assert group.spares.reused == 1, "the reduction took the spare buffer"
+    for name, param in model.named_parameters():
+        got = param.grad.full_tensor()
+        want = dict(reference.named_parameters())[name].grad
+        assert torch.equal(got, want), f"{name}: {got} vs {want}"
