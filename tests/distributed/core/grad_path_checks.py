@@ -115,6 +115,22 @@ def accumulate(model: nn.Module, step: int, micro: Callable[[nn.Module, int, tor
         micro(model, k, batch)
 
 
+def accumulated_like_the_replica(
+    micro: Callable[[nn.Module, int, torch.Tensor], None],
+) -> Iterator[tuple[str, nn.Module]]:
+    """For each configuration: one no_sync accumulation of ``micro`` (step 0), its gradients checked against
+    the replica's; yields the label and the model for any further check."""
+    torch.manual_seed(0)
+    base = Skippy()
+    replica = copy.deepcopy(base)
+    replica_grads(replica, 0, micro)
+    for label, kwargs in configs():
+        model = shard(copy.deepcopy(base), **kwargs)
+        accumulate(model, 0, micro)
+        assert_grads_match(model, replica, label)
+        yield label, model
+
+
 def unused_and_frozen(model: nn.Module, k: int, batch: torch.Tensor) -> None:
     """Block 2 unused in micro-batch 0; block 1's up weight frozen in micro-batch 1 only; block 2's
     down weight trained in micro-batch 0 only; the frozen layer trained in micro-batch 2 only."""
@@ -132,14 +148,7 @@ def no_sync_with_unused_and_frozen_parameters_matches_plain_accumulation() -> No
     does in plain PyTorch), also when frozen at the reducing one; one trained only in the last gets
     that one's gradient. Between micro-batches a ZeRO-1/2 or no_shard module shows the compute-time
     parameter: freezing it there counts (it was undone at the next forward)."""
-    torch.manual_seed(0)
-    base = Skippy()
-    replica = copy.deepcopy(base)
-    replica_grads(replica, 0, unused_and_frozen)
-    for label, kwargs in configs():
-        model = shard(copy.deepcopy(base), **kwargs)
-        accumulate(model, 0, unused_and_frozen)
-        assert_grads_match(model, replica, label)
+    for label, model in accumulated_like_the_replica(unused_and_frozen):
         assert not model.blocks[2].up.weight.requires_grad and model.frozen.weight.requires_grad, label
 
 
@@ -253,15 +262,8 @@ def autograd_patterns_under_no_sync_accumulation(case: str) -> None:
     backward, activation checkpointing with a unit run twice (its hook fires twice per backward
     when reentrant), each in every micro-batch of a no_sync accumulation: what plain autograd
     accumulates in .grad."""
-    micro = AUTOGRAD_CASES[case]
-    torch.manual_seed(0)
-    base = Skippy()
-    replica = copy.deepcopy(base)
-    replica_grads(replica, 0, micro)
-    for label, kwargs in configs():
-        model = shard(copy.deepcopy(base), **kwargs)
-        accumulate(model, 0, micro)
-        assert_grads_match(model, replica, label)
+    for _ in accumulated_like_the_replica(AUTOGRAD_CASES[case]):
+        pass  # each configuration is checked as it is yielded
 
 
 
