@@ -198,9 +198,11 @@ def _padding_hint(saved: dict[str, Any], args: argparse.Namespace) -> str:
             "layouts pad to the same size (train and resume with it). ")
 
 
-def _check_extra(args: argparse.Namespace, scheduler: OptimizerParamScheduler) -> Callable[[dict[str, Any]], None]:
-    """The ``check_extra`` of ``load_checkpoint``: model arguments and the LR schedule agree, and a resume has
-    its data position (before any tensor is read)."""
+def _check_extra(
+    args: argparse.Namespace, scheduler: OptimizerParamScheduler | None = None
+) -> Callable[[dict[str, Any]], None]:
+    """The ``check_extra`` of ``load_checkpoint``: model arguments and the LR schedule (``scheduler``'s) agree,
+    and a resume has its data position (before any tensor is read)."""
 
     def check(extra: dict[str, Any]) -> None:
         if not (args.finetune or args.no_load_args_check) and isinstance(extra.get("args"), dict):
@@ -218,7 +220,7 @@ def _check_extra(args: argparse.Namespace, scheduler: OptimizerParamScheduler) -
                 "and data position pretrain_gpt.py saves); resuming without them would replay data from the "
                 "start. Load it with --finetune to take only the weights"
             )
-        if not (args.finetune or args.no_load_optim):
+        if scheduler is not None and not (args.finetune or args.no_load_optim):
             scheduler.check_state_dict(extra["scheduler"], f"--load {args.load}")
 
     return check
