@@ -100,7 +100,7 @@ class OptimizerParamScheduler:
                 f"{where}: the checkpoint's learning-rate schedule differs from this run's flags: {'; '.join(differ)}. "
                 "Pass the saved values (to train longer than the schedule planned, give the same --lr-decay-iters "
                 "when starting and resuming), or --use-checkpoint-opt_param-scheduler to continue the saved "
-                "schedule, or --override-opt_param-scheduler to switch to this run's (as Megatron-LM)"
+                "schedule, or --override-opt_param-scheduler to switch to this run's (Megatron-LM's rule)"
             )
 
     def load_state_dict(self, state: dict) -> None:

@@ -69,7 +69,7 @@ def pretrain(
     state = checkpointing.load(args, backend.module, optimizer, scheduler, layout) if args.load else RunState()
     if state.iteration >= args.train_iters:
         print_rank_0(f"--load {args.load} is at iteration {state.iteration} and --train-iters is {args.train_iters}: "
-                     "nothing to train. To train further, raise --train-iters (see docs/megatron.md, Checkpoints)")
+                     "nothing to train. To train further, raise --train-iters (see docs/megatron.md, Resuming)")
         return TrainingResult(iteration=state.iteration)
     checkpointing.check_save_target(args, state.iteration)  # before training, not at the first save
     train_iter, valid_iter, _ = build_train_valid_test_data_iterators(

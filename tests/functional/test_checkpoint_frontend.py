@@ -177,7 +177,7 @@ def test_a_resume_with_nothing_left_to_train_says_so(runs):
     lines = [line for line in run["log"].splitlines() if "nothing to train" in line]
     assert len(lines) == 1 and re.fullmatch(
         r"--load \S+/run is at iteration 4 and --train-iters is 4: nothing to train\. To train further, raise "
-        r"--train-iters \(see docs/megatron\.md, Checkpoints\)", lines[0]), run["log"]
+        r"--train-iters \(see docs/megatron\.md, Resuming\)", lines[0]), run["log"]
 
 
 def test_load_of_an_iteration_directory_loads_that_iteration(runs):
