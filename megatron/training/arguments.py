@@ -150,7 +150,8 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         message = _suggest(message, list(self._option_string_actions))
-        print_once(f"{self.format_usage()}{self.prog}: error: {message}\n")
+        error = f"{self.prog}: error: {message}\n"
+        print_once(self.format_usage() + error, report=error)
         sys.exit(2)
 
 

@@ -16,6 +16,7 @@ those keep working.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import sys
 import time
@@ -61,13 +62,31 @@ def launch_rank() -> int:
         return 0
 
 
-def print_once(message: str) -> None:
-    """Write ``message`` to stderr on rank 0; the other ranks wait a moment instead (see ``OTHERS_DELAY_S``)."""
+def print_once(message: str, report: str | None = None) -> None:
+    """Write ``message`` to stderr on rank 0; the other ranks wait a moment instead (see ``OTHERS_DELAY_S``).
+
+    Under torchrun, rank 0 also leaves the message in its error file, so that torchrun's failure
+    report (printed below it) shows the message (or ``report``, the part of it worth repeating) as the
+    root cause instead of "To enable traceback".
+    """
     if launch_rank() == 0:
         sys.stderr.write(message if message.endswith("\n") else message + "\n")
         sys.stderr.flush()
+        _record_for_torchrun((message if report is None else report).rstrip("\n"))
     else:
         time.sleep(OTHERS_DELAY_S)
+
+
+def _record_for_torchrun(message: str) -> None:
+    """torchrun's error-file format for a failure without a traceback: {"message": str, "timestamp": str}."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": str(int(time.time()))}, f)
+    except OSError:
+        pass  # the report then says less; the message is on stderr already
 
 
 def exit_on_usage_error(error: UsageError) -> NoReturn:

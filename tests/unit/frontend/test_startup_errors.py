@@ -9,6 +9,7 @@ exist. A bug (any other exception) keeps its traceback.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -47,7 +48,8 @@ def launched(tmp_path_factory) -> dict[str, list[subprocess.CompletedProcess]]:
         running[name] = []
         for rank in range(2):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+                   "TORCHELASTIC_ERROR_FILE": os.path.join(tmp, f"{name}-{rank}.json")}  # as torchrun sets it
             running[name].append(subprocess.Popen(
                 [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *flags], cwd=tmp, env=env,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -71,6 +73,11 @@ def test_user_error_is_printed_once_and_every_rank_exits_non_zero(launched, name
     for proc in (rank0, rank1):
         assert "Traceback" not in proc.stderr, context
         assert "set-up" not in proc.stdout  # stopped before training
+    # torchrun's failure report shows rank 0's error file as the root cause: the message, not a traceback
+    with open(os.path.join(launched["tmp"], f"{name}-0.json")) as f:
+        report = json.load(f)["message"]
+    assert message in report and "Traceback" not in report and "usage:" not in report, report
+    assert not os.path.exists(os.path.join(launched["tmp"], f"{name}-1.json"))
 
 
 def test_flag_typo_prints_the_usage_once(launched):
