@@ -57,7 +57,7 @@ def launched(tmp_path_factory) -> dict[str, list[subprocess.CompletedProcess]]:
     for name, procs in running.items():
         done[name] = []
         for proc in procs:
-            out, err = proc.communicate(timeout=300)
+            out, err = proc.communicate(timeout=600)
             done[name].append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     return {"tmp": tmp, **done}
 
