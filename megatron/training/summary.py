@@ -52,9 +52,9 @@ def whole_model_parameters(module: nn.Module, tp_size: int, ep_size: int) -> int
     return total
 
 
-def _units(module: nn.Module) -> list[tuple[UnitShape, bool]]:
+def _units(module: nn.Module, expert_parallel: bool) -> list[tuple[UnitShape, bool]]:
     """The model's FSDP units as the planner describes them (each parameter in its innermost unit),
-    with whether the unit holds experts (sharded over the expert mesh)."""
+    with whether the unit holds experts sharded over the expert mesh (only with expert parallelism)."""
     units = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if module not in units:
         units.insert(0, module)
@@ -67,7 +67,7 @@ def _units(module: nn.Module) -> list[tuple[UnitShape, bool]]:
         if params:
             shape = UnitShape(type(unit).__name__, tuple((names.get(id(p), "?"), tuple(p.shape)) for p in params),
                               1, is_root=unit is module)
-            out.append((shape, any(not getattr(p, "allreduce", True) for p in params)))
+            out.append((shape, expert_parallel and any(not getattr(p, "allreduce", True) for p in params)))
     return list(reversed(out))
 
 
@@ -78,7 +78,7 @@ def memory_plan(args: argparse.Namespace, module: nn.Module, layout: ParallelLay
         units = [UnitShape("model", tuple((n, tuple(p.shape)) for n, p in module.named_parameters()), 1, True)]
         return [plan_rank(units, layout.grad_group_size, "no_shard")]
     precision = Precision.named("bf16" if args.bf16 else "fp32")
-    units = _units(module)
+    units = _units(module, layout.ep.size > 1)
     dense = [u for u, expert in units if not expert]
     experts = [u for u, expert in units if expert]
     instances = args.num_distributed_optimizer_instances
