@@ -281,7 +281,7 @@ def cpu_memory_pass(args: argparse.Namespace, names: list[str], world: int) -> d
     """Rank 0: one memory_rss job per implementation (one implementation per process); each one's step peak."""
     from memory_rss import launch, passthrough_args
 
-    job = argparse.Namespace(**vars(args), nproc=world, steps=args.warmup + args.memory_steps, meta=False)
+    job = argparse.Namespace(**dict(vars(args), nproc=world, steps=args.warmup + args.memory_steps, meta=False))
     peaks = {}
     for name in names:
         figures = launch(name, job, passthrough_args(job))

@@ -24,15 +24,20 @@ Each rank reads ``/proc/self/status``:
 - **step peak**: the growth of VmHWM above ``start`` over ``--steps`` training steps
   (forward, loss, backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``); the first
   step, which makes the optimizer's state, is also reported on its own (**first step**);
+- **set-up peak**: the largest VmHWM above ``base`` while building, sharding and taking the
+  first step (the larger of **build** and **start** plus **first step**);
 - **whole run**: the largest VmHWM of the process above ``base``.
 
 Every figure is the maximum over the job's ranks; the report gives, for each, the median over
 the runs, its range, and the ratio of medians against FSDP2 and DDP. Timing is not measured here
 (compare.py interleaves steps for that); memory does not depend on the machine's load.
 
-``--trace`` instead runs one job of ``--impls`` (one implementation) with torch.profiler's
-memory events and prints, per step phase, what was alive at the step's peak (the allocation
-trace behind docs/performance.md's accounting).
+``--trace`` instead runs one job per implementation of ``--impls`` and traces its last step
+(``--steps 1``: the first, which makes the optimizer's state) with torch.profiler's memory
+events (every allocation of torch's CPU allocator, with its address) and ``tracemalloc`` (Python
+objects). It prints the bytes torch allocated in the step and still alive at its peak, summed
+by step phase and by the innermost operator or library range that allocated them (the
+allocation trace behind docs/performance.md's accounting).
 """
 
 from __future__ import annotations
@@ -45,15 +50,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import tracemalloc
 
 IMPLS = ("megatron_fsdp", "megatron_fsdp_model", "fsdp2", "ddp")
-FIGURES = ("import", "build", "start", "first_step", "step_peak", "whole_run")
+FIGURES = ("import", "build", "start", "first_step", "setup", "step_peak", "whole_run")
 LABELS = {
     "import": "resident growth importing the library (code, fixed)",
     "build": "resident growth while building and sharding",
     "start": "resident at the start of training (after set-up)",
     "first_step": "peak growth above that during the first step",
-    "step_peak": "peak growth above that during the steps",
+    "setup": "set-up peak: building, sharding, first step",
+    "step_peak": "peak growth above the start during the steps",
     "whole_run": "peak of the whole run",
 }
 MMAP_THRESHOLD = str(1 << 16)
@@ -158,15 +165,21 @@ def worker(args: argparse.Namespace) -> None:
     for i in range(args.steps):
         reset_peak()
         if args.trace and i == args.steps - 1:
+            tracemalloc.start()
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 step(tokens[i])
+            python_bytes = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
             if rank == 0:
                 prof.export_chrome_trace(args.worker + ".trace.json")
+                with open(args.worker + ".python.json", "w") as f:
+                    json.dump(python_bytes, f)
         else:
             step(tokens[i])
         step_peaks.append(status_bytes("VmHWM"))
         whole = max(whole, step_peaks[-1])
     figures["first_step"] = step_peaks[0] - start
+    figures["setup"] = max(figures["build"], step_peaks[0] - base)
     figures["step_peak"] = max(step_peaks) - start
     figures["whole_run"] = whole - base
     gathered = [None] * dist.get_world_size()
@@ -224,7 +237,11 @@ def trace(args: argparse.Namespace, passthrough: list[str]) -> None:
                    "--impls", name, "--worker", out]
             subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             peak, rows = alive_at_peak(out + ".trace.json")
-        print(f"\n{name}: allocated at the last step's peak, above its start: {peak / 1e6:.2f} MB (rank 0)")
+            with open(out + ".python.json") as f:
+                python_now, python_peak = json.load(f)
+        print(f"\n{name}: allocated at the last step's peak, above its start: {peak / 1e6:.2f} MB (rank 0); "
+              f"Python objects (tracemalloc, profiler's included): {python_now / 1e6:.2f} MB kept, "
+              f"{python_peak / 1e6:.2f} MB at most")
         for site, nbytes, count in rows[:25]:
             print(f"  {nbytes / 1e6:8.2f} MB {count:5d} x  {site}")
 
