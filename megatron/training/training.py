@@ -11,6 +11,7 @@ The flags namespace is not written after that; what the run advances lives in a
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -49,6 +50,8 @@ def pretrain(
     args.padded_vocab_size = pad_vocab_size(args)  # the last derived value
     args = freeze_args(args)  # read-only from here on: run state lives in RunState
     set_args(args)
+    if args.logging_level is not None:  # Megatron's --logging-level: Python's root logger
+        logging.getLogger().setLevel(args.logging_level)
     set_random_seed(args.seed)
     config = TrainingConfig.from_args(args)
     layout = build_layout(args, device)
@@ -60,10 +63,12 @@ def pretrain(
     scheduler = OptimizerParamScheduler(
         optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
         decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style,
+        wsd_decay_steps=args.lr_wsd_decay_iters, wsd_decay_style=args.lr_wsd_decay_style,
+        use_checkpoint_values=args.use_checkpoint_opt_param_scheduler,
     )
     state = checkpointing.load(args, backend.module, optimizer, scheduler, layout) if args.load else RunState()
     checkpointing.check_save_target(args, state.iteration)  # before training, not at the first save
-    train_iter, valid_iter, _ = build_train_valid_test_data_iterators(
+    train_iter, valid_iter, test_iter = build_train_valid_test_data_iterators(
         args, layout.dp_rank, layout.dp_size, consumed_train_samples=state.consumed_train_samples,
         consumed_valid_samples=state.consumed_valid_samples,
     )
@@ -71,7 +76,7 @@ def pretrain(
     writer = _tensorboard_writer(args, dist.get_rank(), dist.get_world_size())
     try:
         trainer = Trainer(args, config, backend, optimizer, scheduler, forward_step, state, writer)
-        return trainer.train(train_iter, valid_iter)
+        return trainer.train(train_iter, valid_iter, test_iter)
     finally:
         if writer is not None:
             writer.close()

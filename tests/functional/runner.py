@@ -56,7 +56,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str,
         except Exception:
             results[config.name] = {"error": traceback.format_exc(), "log": log.getvalue()}
         dist.barrier()
-    if rank == 0:
+    if rank == world_size - 1:  # the rank that prints the training log, as Megatron's last rank
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(results, f)
     gc.collect()

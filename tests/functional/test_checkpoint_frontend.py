@@ -132,4 +132,4 @@ def test_missing_or_damaged_parts_are_errors_naming_the_file(runs):
 
 def test_resume_continues_data_position(runs):
     assert _trained(runs, "resume") == [5, 6]
-    assert "| consumed samples:           40 |" in runs[0]["resume"]["log"], runs[0]["resume"]["log"]
+    assert "| consumed samples:           40 |" in runs[-1]["resume"]["log"], runs[-1]["resume"]["log"]
