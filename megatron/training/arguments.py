@@ -375,4 +375,6 @@ def _validate_data_and_checkpoints(args: argparse.Namespace) -> None:
     if args.mock_data and args.data_path:
         _fail("--mock-data and --data-path are mutually exclusive")
     if args.save_interval is not None and not args.save:
-        _fail("--save-interval requires --save DIR")
+        # Megatron-LM accepts it (its DeepSeek proxy test comments --save out and keeps --save-interval)
+        print_rank_0(f"NOTE: --save-interval {args.save_interval} has no effect without --save DIR: no checkpoints "
+                     "will be written")

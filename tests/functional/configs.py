@@ -22,8 +22,8 @@ COMMON = (
     "--mock-data --vocab-size 60 --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
     "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
     "--lr-warmup-iters 2 --clip-grad 1.0 --attention-dropout 0 --hidden-dropout 0 --log-interval 4 "
-    "--make-vocab-size-divisible-by 16 --seed 42"
-).split()
+    "--make-vocab-size-divisible-by 16 --seed 42 --log-params-norm --log-num-zeros-in-grad"
+).split()  # params norm and num zeros: compared between strategies like the losses
 
 MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01".split()
 FSDP = "--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy".split()

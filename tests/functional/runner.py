@@ -51,6 +51,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str,
                 "lm loss": {str(k): v for k, v in sorted(run.losses.items())},
                 "grad norm": {str(k): v for k, v in sorted(run.grad_norms.items())},
                 "valid loss": {str(k): v for k, v in sorted(run.valid_losses.items())},
+                "params norm": {str(k): v for k, v in sorted(run.params_norms.items())},
+                "num zeros": {str(k): v for k, v in sorted(run.num_zeros.items())},
                 "log": log.getvalue(),
             }
         except Exception:

@@ -60,7 +60,7 @@ def _compare_with_baseline(name: str, result: dict, golden: dict) -> None:
     config = CONFIGS[name]
     base = SAME_RUN.get(config.baseline)
     if base is not None and "error" not in base:
-        rtol, keys, source = config.same_run_rtol, ("lm loss", "grad norm", "valid loss"), "this run's"
+        rtol, keys, source = config.same_run_rtol, ("lm loss", "grad norm", "valid loss", "params norm"), "this run's"
     else:  # the baseline did not run now (-k): its golden values, never exactly
         base, rtol, keys, source = golden[config.baseline], config.rtol, ("lm loss",), "golden"
     for key in keys:
@@ -71,6 +71,26 @@ def _compare_with_baseline(name: str, result: dict, golden: dict) -> None:
                 assert _close(value, base[key][it], rtol), (
                     f"{name} vs {source} {config.baseline} {key} at iteration {it}: {value!r} vs {base[key][it]!r} "
                     f"(rtol {rtol})")
+
+
+def test_params_norm_and_num_zeros_agree_across_strategies(runs):
+    """--log-params-norm and --log-num-zeros-in-grad count each parameter once over shards and TP/CP/EP slices:
+    every strategy and layout logs its baseline's figures (params norm within the loss tolerance; num zeros,
+    counts of exact zeros such as the padded vocabulary rows' gradients, equal)."""
+    world_size, results = runs
+    checked = 0
+    for name, result in results.items():
+        base = SAME_RUN.get(CONFIGS[name].baseline or "")
+        if base is None or "error" in result or "error" in base or not result.get("params norm"):
+            continue
+        for it, value in result["params norm"].items():
+            if it in base["params norm"]:
+                assert _close(value, base["params norm"][it], CONFIGS[name].same_run_rtol), (name, it, value)
+                checked += 1
+        for it, value in result["num zeros"].items():
+            if it in base["num zeros"] and CONFIGS[name].rtol < 1e-3:  # bf16 rounds other entries to zero
+                assert value == base["num zeros"][it], (name, "num zeros", it, value, base["num zeros"][it])
+    assert checked > 0
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -41,7 +41,6 @@ def test_derived_values():
     (["--fp16"], "use --bf16"),
     (["--use-megatron-fsdp", "--model-provider", "mcore", "--distributed-backend", "gloo"],
      "--model-provider mcore needs CUDA"),
-    (["--save-interval", "5"], "--save-interval requires --save"),
     (["--use-distributed-optimizer"], "add --use-megatron-fsdp --data-parallel-sharding-strategy optim"),
 ])
 def test_rejections(flags, message):
