@@ -151,8 +151,7 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ddp-num-buckets", type=int, default=None)
 
     g = p.add_argument_group("checkpoints (Megatron-LM)")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
-                   action="store_true", dest="use_checkpoint_opt_param_scheduler")
+    # --use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler: arguments.py (the resume rule)
     g.add_argument("--async-save", action="store_true")
     g.add_argument("--use-persistent-ckpt-worker", action="store_true")
     g.add_argument("--dist-ckpt-strictness", choices=DIST_CKPT_STRICTNESS, default="assume_ok_unexpected")
@@ -267,7 +266,8 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
                           "DDP's (DistributedDataParallelConfig.bucket_size)"),
     "--ddp-num-buckets": ("no-op", "as --ddp-bucket-size"),
     "--use-checkpoint-opt_param-scheduler": ("effect", "on --load, the schedule's max/min lr, warmup, decay "
-                                             "iterations and style come from the checkpoint, not the flags"),
+                                             "iterations and style (and WSD's) come from the checkpoint, not the "
+                                             "flags (defined in arguments.py with --override-opt_param-scheduler)"),
     "--async-save": ("stops", "checkpoints are written synchronously here (a sharded DCP save with a SHA-256 "
                      "manifest); drop the flag"),
     "--use-persistent-ckpt-worker": ("no-op", "it only serves --async-save, which stops"),

@@ -200,19 +200,6 @@ def test_inverse_square_root_and_wsd_schedules_follow_megatron():
     assert lrs[7] == pytest.approx(0.1 + (2 * 0.5 ** 0.25 - 1) * 0.9)
 
 
-def test_use_checkpoint_scheduler_takes_the_saved_shape():
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    saved = OptimizerParamScheduler(opt, max_lr=2.0, min_lr=0.0, warmup_steps=0, decay_steps=10,
-                                    decay_style="linear")
-    saved.step(5)
-    state = saved.state_dict()
-    for use, lr in ((False, 0.5), (True, 1.0)):
-        sched = OptimizerParamScheduler(opt, max_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=10,
-                                        decay_style="linear", use_checkpoint_values=use)
-        sched.load_state_dict(state)
-        assert opt.param_groups[0]["lr"] == pytest.approx(lr)
-
-
 def test_log_line_has_megatrons_fields():
     line = training_log_line(iteration=4, train_iters=8, consumed=32, elapsed_ms=10.0, tflops=0.5, lr=1e-3,
                              global_batch=8, losses={"lm loss": 2.0, "load_balancing_loss": 1.01},
