@@ -18,6 +18,7 @@ from torch import nn
 from megatron.training.errors import UsageError, exit_on_usage_error
 from megatron.training.global_vars import get_args
 from megatron.training.gpt_model import GPTConfig, GPTModel
+from megatron.training.megatron_flags import moe_layer_pattern
 from megatron.training.parallel_state import get_context_parallel, get_expert_parallel, get_tensor_parallel
 from megatron.training.training import pretrain
 from megatron_fsdp.parallel.moe import set_aux_loss_scale
@@ -39,7 +40,10 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> nn.Mo
         init_method_std=args.init_method_std, attention_dropout=args.attention_dropout,
         hidden_dropout=args.hidden_dropout, rotary_base=args.rotary_base, num_experts=args.num_experts,
         moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff, kv_channels=args.kv_channels,
+        layernorm_epsilon=args.layernorm_epsilon, add_bias_linear=args.add_bias_linear,
+        qk_layernorm=args.qk_layernorm,
+        moe_layer_pattern=tuple(moe_layer_pattern(args)) if args.num_experts is not None else None,
     ), tp=get_tensor_parallel(), cp=get_context_parallel(), ep=get_expert_parallel())
     set_aux_loss_scale(model, 1.0 / args.num_microbatches)  # Megatron's: per micro-batch, as the lm loss
     return model

@@ -20,6 +20,14 @@ from megatron_fsdp.sharding.strategy import OUTER_STRATEGY_NAMES, STRATEGY_NAMES
 
 from .datasets.builder import parse_split
 from .errors import UsageValueError, print_once
+from .initialize import print_rank_0
+from .megatron_flags import (
+    CKPT_FORMATS,
+    LR_DECAY_STYLES,
+    POSITION_EMBEDDING_TYPES,
+    add_megatron_compat_args,
+    validate_megatron_compat_args,
+)
 from .moe_arguments import add_moe_args, validate_moe_args
 from .tokenizer import TOKENIZER_TYPES
 
@@ -34,11 +42,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-size", type=int, default=64)
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 * hidden size")
     g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--num-query-groups", type=int, default=None, help="grouped-query attention; default: heads")
-    g.add_argument("--group-query-attention", action="store_true", help="accepted for Megatron compatibility")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="grouped-query attention's key/value heads; read only with --group-query-attention "
+                        "(as Megatron)")
+    g.add_argument("--group-query-attention", action="store_true", help="use --num-query-groups (default: heads)")
     g.add_argument("--seq-length", type=int, default=64)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, default="learned_absolute")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--swiglu", action="store_true")
@@ -57,7 +67,7 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=20)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--override-opt_param-scheduler", action="store_true", dest="override_opt_param_scheduler",
@@ -130,7 +140,7 @@ def _fsdp_args(p: argparse.ArgumentParser) -> None:
                    help="(default) stop with an error at the first iteration whose loss or grad norm is NaN/Inf")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false", help="skip such iterations instead (the run fails if all are skipped)")
-    g.add_argument("--ckpt-format", choices=("torch_dist", "torch", "fsdp_dtensor"), default="torch_dist")
+    g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch_dist")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
@@ -177,14 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
         description="Megatron-style GPT pre-training on megatron_fsdp (see docs/megatron.md)",
         allow_abbrev=False,
     )
-    for add in (_model_args, _training_args, _data_args, _model_parallel_args, add_moe_args, _fsdp_args):
+    for add in (_model_args, _training_args, _data_args, _model_parallel_args, add_moe_args, _fsdp_args,
+                add_megatron_compat_args):
         add(parser)
     return parser
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse Megatron-LM flags (no validation that needs the process group)."""
-    return build_parser().parse_args(argv)
+    """Parse Megatron-LM flags (no validation that needs the process group).
+
+    ``args.argv_flags`` records the flags given, for defaults that depend on whether a flag was
+    set explicitly (``--transformer-impl``).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv_flags = tuple(a.split("=", 1)[0] for a in argv if a.startswith("--"))
+    return args
 
 
 class ArgumentError(UsageValueError):
@@ -204,6 +222,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.fp16:
         _fail("--fp16 is not supported by this front-end; use --bf16")
     _validate_numbers(args)
+    _validate_query_groups(args)
+    validate_megatron_compat_args(args, _fail)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
@@ -221,6 +241,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_data_and_checkpoints(args)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:  # Megatron: warmup steps = fraction x decay steps (a float)
+        args.lr_warmup_iters = args.lr_warmup_fraction * args.lr_decay_iters
     if args.min_lr > args.lr:
         _fail(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
     if args.lr_decay_style != "constant" and args.lr_warmup_iters >= args.lr_decay_iters:
@@ -278,6 +300,14 @@ def _validate_numbers(args: argparse.Namespace) -> None:
         parse_split(args.split)
     except ValueError as error:
         _fail(str(error))
+
+
+def _validate_query_groups(args: argparse.Namespace) -> None:
+    """Megatron reads --num-query-groups only with --group-query-attention; without it: every head its own group."""
+    if args.num_query_groups is not None and not args.group_query_attention:
+        print_rank_0(f"NOTE: --num-query-groups {args.num_query_groups} is ignored without --group-query-attention "
+                     "(as in Megatron-LM): multi-head attention, one key/value head per query head")
+        args.num_query_groups = None
 
 
 def _validate_model_parallel(args: argparse.Namespace, world_size: int) -> None:
@@ -343,7 +373,7 @@ def _validate_fsdp(args: argparse.Namespace) -> None:
                          ("--init-model-with-meta-device", args.init_model_with_meta_device),
                          ("--fsdp-double-buffer", args.fsdp_double_buffer),
                          ("--grad-reduce-in-bf16 (the DDP baseline reduces its fp32 gradients in fp32)",
-                          args.grad_reduce_in_bf16),
+                          args.grad_reduce_in_bf16 and args.bf16),
                          ("--ckpt-format fsdp_dtensor", args.ckpt_format == "fsdp_dtensor"),
                          ("--num-distributed-optimizer-instances > 1", instances > 1)):
             if on:
@@ -368,8 +398,9 @@ def _validate_fsdp(args: argparse.Namespace) -> None:
               f"{args.ckpt_format}. Pass --ckpt-format fsdp_dtensor")
     if args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32:
         _fail("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are mutually exclusive")
-    if args.grad_reduce_in_bf16 and not args.bf16:
-        _fail("--grad-reduce-in-bf16 requires --bf16")
+    if args.grad_reduce_in_bf16 and not args.bf16:  # Megatron accepts it; fp32 gradients are reduced in fp32
+        print_rank_0("NOTE: --grad-reduce-in-bf16 has no effect without --bf16: the gradients are fp32")
+        args.grad_reduce_in_bf16 = False
     if args.fsdp_double_buffer:
         _fail("--fsdp-double-buffer is not supported by megatron_fsdp: persistent double buffers serve NCCL user "
               "buffers; memory is bounded by the prefetch depth instead (see docs/options.md)")
@@ -381,4 +412,6 @@ def _validate_data_and_checkpoints(args: argparse.Namespace) -> None:
     if args.mock_data and args.data_path:
         _fail("--mock-data and --data-path are mutually exclusive")
     if args.save_interval is not None and not args.save:
-        _fail("--save-interval requires --save DIR")
+        # Megatron-LM accepts it (its DeepSeek proxy test comments --save out and keeps --save-interval)
+        print_rank_0(f"NOTE: --save-interval {args.save_interval} has no effect without --save DIR: no checkpoints "
+                     "will be written")

@@ -72,6 +72,26 @@ class DataParallelBackend(abc.ABC):
                                parameters_for_norm=params_for_grad_norm(params, tp))
         return float(norm)
 
+    def params_norm(self) -> float:
+        """Megatron's ``params norm``: the L2 norm of all parameters, each counted once (as the grad norm)."""
+        return self._global_norm([_AsGrad(p, p.detach()) for p in self.model.parameters()], 2.0)
+
+    def num_zeros_in_grad(self) -> int:
+        """Megatron's ``num zeros``: zero entries of the reduced gradients, each parameter counted once."""
+        holders = [_AsGrad(p, (p.grad == 0).float()) for p in self.model.parameters() if p.grad is not None]
+        return int(round(self._global_norm(holders, 1.0)))
+
+    def _global_norm(self, holders: list[_AsGrad], norm_type: float) -> float:
+        """The norm of the holders' ``grad`` over every shard and model-parallel slice, each once."""
+        tp, ep = self.layout.tp, self.layout.ep
+        if ep.size > 1:
+            expert = [h for h in holders if not getattr(h, "allreduce", True)]
+            dense = [h for h in holders if getattr(h, "allreduce", True)]
+            parts = (get_grad_norm(dense, norm_type), get_grad_norm(expert, norm_type, model_parallel_group=ep.group))
+            return float(sum(p ** norm_type for p in parts) ** (1.0 / norm_type))
+        return float(get_grad_norm(params_for_grad_norm(holders, tp), norm_type,
+                                   model_parallel_group=tp.group if tp.size > 1 else None))
+
     @abc.abstractmethod
     def zero_grad(self) -> None:
         """Clear what the backend keeps of the last step's gradients (before the optimizer's zero_grad)."""
@@ -154,6 +174,17 @@ def clip_grad_norm_with_experts(params: list[torch.Tensor], max_norm: float, ep:
             local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
             local.mul_(coef.to(dtype=local.dtype, device=local.device))
     return float(norm)
+
+
+class _AsGrad:
+    """A parameter's attributes (TP, expert, placement) with another tensor as its ``grad``: to reduce a norm
+    of parameters, or of a function of gradients, exactly as the gradient norm is reduced."""
+
+    def __init__(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        self._param, self.grad = param, grad
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._param, name)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

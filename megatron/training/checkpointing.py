@@ -56,6 +56,7 @@ MODEL_ARGS = (
     "model_provider", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "max_position_embeddings", "position_embedding_type", "rotary_base", "normalization", "swiglu",
     "untie_embeddings_and_output_weights", "vocab_size", "padded_vocab_size", "tokenizer_type",
+    "kv_channels", "add_bias_linear", "qk_layernorm", "moe_layer_freq",
 )
 # What a resumed run needs from extra.pt.
 RESUME_KEYS = ("scheduler", "consumed_train_samples", "consumed_valid_samples")

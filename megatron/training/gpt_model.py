@@ -78,6 +78,14 @@ class GPTConfig:
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None  # default: ffn_size
     moe_aux_loss_coeff: float = 0.0
+    kv_channels: int | None = None  # the head size; default hidden / heads (Megatron's --kv-channels)
+    add_bias_linear: bool = True  # False: --disable-bias-linear
+    qk_layernorm: bool = False  # a norm over each query and key head (--qk-layernorm)
+    moe_layer_pattern: tuple[int, ...] | None = None  # 1: MoE layer, 0: dense (--moe-layer-freq); None: all MoE
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads if self.kv_channels is None else self.kv_channels
 
     @property
     def ffn_size(self) -> int:
@@ -100,7 +108,7 @@ class GPTConfig:
                 raise ValueError(f"{flag} must be in [0, 1), got {value}")
         if not (math.isfinite(self.init_method_std) and self.init_method_std > 0):
             raise ValueError(f"--init-method-std must be a finite number > 0, got {self.init_method_std}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
                 f"({self.num_attention_heads})"
@@ -110,13 +118,16 @@ class GPTConfig:
                 f"--num-attention-heads ({self.num_attention_heads}) must be divisible by --num-query-groups "
                 f"({self.query_groups})"
             )
-        if self.position_embedding_type not in ("learned_absolute", "rope"):
+        if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise ValueError(
-                f"--position-embedding-type {self.position_embedding_type!r}: use learned_absolute or rope"
+                f"--position-embedding-type {self.position_embedding_type!r}: use learned_absolute, rope or none"
             )
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"--normalization {self.normalization!r}: use LayerNorm or RMSNorm")
-        if self.position_embedding_type == "rope" and (self.hidden_size // self.num_attention_heads) % 2:
+        if self.moe_layer_pattern is not None and len(self.moe_layer_pattern) != self.num_layers:
+            raise ValueError(f"--moe-layer-freq lists {len(self.moe_layer_pattern)} layers, --num-layers is "
+                             f"{self.num_layers}")
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError("--position-embedding-type rope needs an even head dimension")
 
 
@@ -131,14 +142,20 @@ class MegatronEmbedding(nn.Embedding):
         nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
 
 
-def _norm(config: GPTConfig, tp: TensorParallel) -> nn.Module:
-    """A norm: TP-replicated; under sequence parallelism it sees part of the sequence on each TP rank."""
+def _norm(config: GPTConfig, tp: TensorParallel, size: int | None = None) -> nn.Module:
+    """A norm: TP-replicated; under sequence parallelism it sees part of the sequence on each TP rank.
+
+    ``size``: a per-head norm (--qk-layernorm) over the head dimension, which every TP rank applies
+    to whole heads: its gradient is complete on each rank, so not marked sequence-parallel.
+    """
+    width = config.hidden_size if size is None else size
     if config.normalization == "RMSNorm":
-        norm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        norm = nn.RMSNorm(width, eps=config.layernorm_epsilon)
     else:
-        norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        norm = nn.LayerNorm(width, eps=config.layernorm_epsilon)
     for param in norm.parameters():
-        param.sequence_parallel = tp.sequence_parallel  # its gradient is summed over TP (Megatron's attribute)
+        # its gradient is summed over TP (Megatron's attribute)
+        param.sequence_parallel = tp.sequence_parallel and size is None
     return norm
 
 
@@ -163,14 +180,16 @@ class SelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, output_std: float, tp: TensorParallel, cp: ContextParallel) -> None:
         super().__init__()
         self.cp = cp
-        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.head_dim = config.head_dim
         self.heads = tp.divide(config.num_attention_heads, "--num-attention-heads")  # this TP rank's
         self.groups = tp.divide(config.query_groups, "--num-query-groups")
         self.dropout = config.attention_dropout
         q_size, kv_size = config.num_attention_heads * self.head_dim, config.query_groups * self.head_dim
         self.qkv = ColumnParallelLinear(config.hidden_size, q_size + 2 * kv_size, config.init_method_std, tp,
-                                        segments=(q_size, kv_size, kv_size))
-        self.proj = RowParallelLinear(config.hidden_size, config.hidden_size, output_std, tp)
+                                        bias=config.add_bias_linear, segments=(q_size, kv_size, kv_size))
+        self.q_norm = _norm(config, tp, self.head_dim) if config.qk_layernorm else None
+        self.k_norm = _norm(config, tp, self.head_dim) if config.qk_layernorm else None
+        self.proj = RowParallelLinear(q_size, config.hidden_size, output_std, tp, bias=config.add_bias_linear)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -183,6 +202,8 @@ class SelfAttention(nn.Module):
         q = q.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, self.groups, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, self.groups, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:  # Megatron's qk-layernorm: per head, before the rotary embedding
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         k, v = gather_sequence(k, self.cp, dim=2), gather_sequence(v, self.cp, dim=2)  # every CP rank's keys
@@ -204,8 +225,9 @@ class MLP(nn.Module):
         tp.divide(config.ffn_size, "--ffn-hidden-size")
         width = 2 * config.ffn_size if config.swiglu else config.ffn_size
         segments = (config.ffn_size, config.ffn_size) if config.swiglu else None  # [gate | up], each split
-        self.fc1 = ColumnParallelLinear(config.hidden_size, width, config.init_method_std, tp, segments=segments)
-        self.fc2 = RowParallelLinear(config.ffn_size, config.hidden_size, output_std, tp)
+        self.fc1 = ColumnParallelLinear(config.hidden_size, width, config.init_method_std, tp, segments=segments,
+                                        bias=config.add_bias_linear)
+        self.fc2 = RowParallelLinear(config.ffn_size, config.hidden_size, output_std, tp, bias=config.add_bias_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
@@ -227,7 +249,8 @@ class TransformerLayer(nn.Module):
         self.input_norm = _norm(config, tp)
         self.attention = SelfAttention(config, output_std, tp, cp)
         self.pre_mlp_norm = _norm(config, tp)
-        if config.num_experts is None:
+        dense = config.moe_layer_pattern is not None and not config.moe_layer_pattern[layer_number]
+        if config.num_experts is None or dense:
             self.mlp = MLP(config, output_std, tp)
         else:
             ffn = config.ffn_size if config.moe_ffn_hidden_size is None else config.moe_ffn_hidden_size
@@ -296,9 +319,8 @@ class GPTModel(nn.Module):
             if position_ids is None:
                 position_ids = indices.unsqueeze(0)
             x = x + self.position_embeddings(position_ids)
-        else:
-            head_dim = self.config.hidden_size // self.config.num_attention_heads
-            cos, sin = rotary_tables(seq, head_dim, self.config.rotary_base, tokens.device)
+        elif self.config.position_embedding_type == "rope":
+            cos, sin = rotary_tables(seq, self.config.head_dim, self.config.rotary_base, tokens.device)
             rotary = (cos, sin) if self.cp.size == 1 else (cos[indices], sin[indices])
         if self.tp.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp)

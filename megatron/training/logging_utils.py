@@ -8,6 +8,7 @@ import math
 import resource
 
 import torch
+import torch.distributed as dist
 
 
 def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> float:
@@ -42,6 +43,23 @@ def memory_report(device: torch.device) -> str:
     return f"memory (MB) | rss: {rss / 1024:.1f} | max rss: {peak / 1024:.1f}"
 
 
+def memory_scalars(device: torch.device) -> dict[str, float]:
+    """Megatron's --log-memory-to-tensorboard scalars: the CUDA allocator's bytes; on CPU the resident set."""
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        return {"mem-reserved-bytes": float(stats.get("reserved_bytes.all.current", 0)),
+                "mem-allocated-bytes": float(stats.get("allocated_bytes.all.current", 0)),
+                "mem-max-allocated-bytes": float(stats.get("allocated_bytes.all.peak", 0))}
+    rss, peak = _status_kib("VmRSS") * 1024.0, _status_kib("VmHWM") * 1024.0
+    return {"mem-reserved-bytes": rss, "mem-allocated-bytes": rss, "mem-max-allocated-bytes": peak}
+
+
+def print_rank_last(message: str) -> None:
+    """Print on the last rank, as Megatron prints its training log (the rank that holds the loss under PP)."""
+    if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
+        print(message, flush=True)
+
+
 def _status_kib(field: str) -> int:
     try:
         with open("/proc/self/status") as f:
@@ -56,9 +74,10 @@ def _status_kib(field: str) -> int:
 def training_log_line(
     *, iteration: int, train_iters: int, consumed: int, elapsed_ms: float, tflops: float, lr: float,
     global_batch: int, losses: dict[str, float], grad_norm: float | None, skipped: int, nan: int,
+    num_zeros: int | None = None, params_norm: float | None = None,
 ) -> str:
-    """One line in Megatron-LM's training-log format."""
-    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    """One line in Megatron-LM's training-log format (its timestamp to the microsecond, ``%f``)."""
+    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
     line = f" [{now}] iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
@@ -70,13 +89,20 @@ def training_log_line(
     line += " loss scale: 1.0 |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
+    if num_zeros is not None:
+        line += f" num zeros: {num_zeros} |"
+    if params_norm is not None:
+        line += f" params norm: {params_norm:.3f} |"
     line += f" number of skipped iterations: {skipped:3d} |"
     line += f" number of nan iterations: {nan:3d} |"
     return line
 
 
-def validation_log_lines(iteration: int, loss: float) -> str:
+def validation_log_lines(where: int | str, loss: float) -> str:
+    """Megatron's validation block; ``where``: ``iteration N`` (an int N is read so), or
+    ``iteration N on validation set`` / ``on test set`` after training."""
+    where = f"iteration {where}" if isinstance(where, int) else where
     ppl = math.exp(min(20.0, loss))
-    body = f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+    body = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
     rule = "-" * (len(body) + 1)
     return f"{rule}\n{body}\n{rule}"

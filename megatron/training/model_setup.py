@@ -39,6 +39,10 @@ def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelCon
         outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
         nccl_ub=args.use_nccl_ub,
         fsdp_double_buffer=args.fsdp_double_buffer,
+        # --megatron-fsdp-main-params-dtype fp32 (the default): fp32 main weights beside bf16 model weights
+        preserve_fp32_weights=getattr(args, "preserve_fp32_weights", True),
+        bucket_size=getattr(args, "ddp_bucket_size", None),
+        suggested_communication_unit_size=getattr(args, "suggested_communication_unit_size", None),
     )
 
 

@@ -12,6 +12,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+from .megatron_flags import DISPATCHER_TYPES, add_moe_compat_args
+
 
 def add_moe_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("mixture of experts")
@@ -23,8 +25,10 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
                    "--ffn-hidden-size")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
                    help="weight of the load-balancing auxiliary loss (0: none)")
-    g.add_argument("--moe-token-dispatcher-type", choices=("alltoall",), default="alltoall",
-                   help="tokens move to their experts by all-to-all over the expert-parallel group")
+    g.add_argument("--moe-token-dispatcher-type", choices=DISPATCHER_TYPES, default="allgather",
+                   help="allgather (Megatron's default) and alltoall route the same; here tokens move to their "
+                        "experts by all-to-all over the expert-parallel group; flex (DeepEP) is refused")
+    add_moe_compat_args(g)
 
 
 def validate_moe_args(args: argparse.Namespace, world_size: int, fail: Callable[[str], None]) -> None:

@@ -9,6 +9,7 @@ the sum over tokens, gradients summed and then divided by the global number of t
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -21,8 +22,14 @@ from torch import nn
 from . import checkpointing
 from .backends import DataParallelBackend
 from .config import RunState, TrainingConfig
-from .initialize import print_rank_0
-from .logging_utils import memory_report, num_floating_point_operations, training_log_line, validation_log_lines
+from .logging_utils import (
+    memory_report,
+    memory_scalars,
+    num_floating_point_operations,
+    print_rank_last,
+    training_log_line,
+    validation_log_lines,
+)
 from .nan_check import NAN_CAUSES, NonFiniteLossError, nan_error
 from .optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -38,6 +45,11 @@ class TrainingResult:
     losses: dict[int, float] = field(default_factory=dict)  # iteration -> lm loss
     grad_norms: dict[int, float] = field(default_factory=dict)
     valid_losses: dict[int, float] = field(default_factory=dict)
+    final_valid_loss: float | None = None  # Megatron's end-of-run blocks ("on validation set", "on test set")
+    final_test_loss: float | None = None
+    params_norms: dict[int, float] = field(default_factory=dict)  # --log-params-norm, at logged iterations
+    num_zeros: dict[int, int] = field(default_factory=dict)  # --log-num-zeros-in-grad
+    exit_reason: str | None = None  # why training stopped before --train-iters, if it did
 
 
 @dataclass
@@ -47,6 +59,8 @@ class StepResult:
     loss: float
     grad_norm: float
     stepped: bool
+    num_zeros: int | None = None  # --log-num-zeros-in-grad
+    load_balancing_loss: float | None = None  # MoE: the auxiliary loss / coefficient, mean over layers
 
 
 @dataclass
@@ -60,10 +74,15 @@ class _LogWindow:
     loss_advanced: float = 0.0
     skipped: int = 0
     nan: int = 0
+    load_balancing: float = 0.0
+    has_load_balancing: bool = False
 
     def add(self, seconds: float, step: StepResult) -> None:
         self.seconds, self.iterations = self.seconds + seconds, self.iterations + 1
         self.loss_all += step.loss
+        if step.load_balancing_loss is not None:
+            self.has_load_balancing = True
+            self.load_balancing += step.load_balancing_loss if step.stepped else 0.0
         if step.stepped:
             self.advanced, self.loss_advanced = self.advanced + 1, self.loss_advanced + step.loss
         else:
@@ -72,6 +91,18 @@ class _LogWindow:
 
     def mean_loss(self) -> float:
         return self.loss_advanced / self.advanced if self.advanced else self.loss_all / max(self.iterations, 1)
+
+    def losses(self) -> dict[str, float]:
+        """The log line's losses: lm loss, and Megatron's MoE ``load_balancing_loss`` when there is one."""
+        out = {"lm loss": self.mean_loss()}
+        if self.has_load_balancing and self.advanced:
+            out["load_balancing_loss"] = self.load_balancing / self.advanced
+        return out
+
+
+def _moe_layers(model: nn.Module) -> list[nn.Module]:
+    """The MoE layers whose auxiliary loss is on (their ``last_aux_loss`` is set by each training forward)."""
+    return [m for m in model.modules() if getattr(m, "aux_loss_coeff", 0) > 0 and hasattr(m, "last_aux_loss")]
 
 
 class Trainer:
@@ -116,6 +147,8 @@ class Trainer:
         # Python floats), read once per step: an .item() per micro-batch would make the CPU wait for every
         # backward and its reductions before queueing the next forward's gathers.
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        moe = _moe_layers(model)
+        balancing = torch.zeros((), dtype=torch.float64, device=self.device)
         for m in range(n):
             batch = self._batch(data_iterator)
             with backend.accumulation(is_first=m == 0, is_last=m == n - 1):
@@ -130,6 +163,8 @@ class Trainer:
                     # the CP ranks too, where their shares must be summed: hence x CP size.
                     scaled = masked / tokens_all.clamp(min=1) / n * backend.layout.cp.size
                 scaled.backward()
+            if moe:  # Megatron tracks aux loss / coefficient, per micro-batch, averaged over the MoE layers
+                balancing += sum(layer.last_aux_loss.double() / layer.aux_loss_coeff for layer in moe) / len(moe) / n
             masked, tokens = masked_all.double(), tokens_all.double()
             totals += torch.stack([masked, tokens, masked / tokens.clamp(min=1.0)])
         backend.finish_grad_sync()
@@ -140,12 +175,17 @@ class Trainer:
             loss = total_sum / max(total_tokens, 1.0)
         else:
             loss = total_means / (n * backend.layout.dp_size)
+        zeros = backend.num_zeros_in_grad() if self.args.log_num_zeros_in_grad else None
         norm = backend.clip_grad_norm(config.clip_grad if config.clip_grad > 0 else math.inf)
+        lb = None
+        if moe:  # the mean over data-parallel ranks, as Megatron reduces its tracker
+            dist.all_reduce(balancing, group=backend.layout.dp_group)
+            lb = float(balancing) / backend.layout.dp_size
         # loss and norm are global (all-reduced), so every rank takes the same branch
         if not math.isfinite(norm) or not math.isfinite(loss):
-            return StepResult(loss, norm, False)
+            return StepResult(loss, norm, False, zeros, lb)
         self.optimizer.step()
-        return StepResult(loss, norm, True)
+        return StepResult(loss, norm, True, zeros, lb)
 
     @torch.no_grad()
     def evaluate(self, data_iterator: Iterator[dict]) -> float:
@@ -178,9 +218,65 @@ class Trainer:
             for name, value in values.items():
                 self.writer.add_scalar(name, value, self.state.iteration)
 
-    def train(self, train_iter: Iterator[dict], valid_iter: Iterator[dict] | None) -> TrainingResult:
-        """Iterate until ``--train-iters`` (or ``--exit-interval``), evaluating and saving as asked."""
-        config, state, result = self.config, self.state, self.result
+    def train(self, train_iter: Iterator[dict], valid_iter: Iterator[dict] | None,
+              test_iter: Iterator[dict] | None = None) -> TrainingResult:
+        """Iterate until ``--train-iters`` (or ``--exit-interval``, ``--exit-duration-in-mins``), evaluating
+        and saving as asked; then Megatron's end-of-run validation and test evaluations."""
+        args = self.args
+        if args.manual_gc:  # Megatron: no automatic collection during training, collect at known points
+            gc.disable()
+            gc.collect()
+        try:
+            result = self._train(train_iter, valid_iter)
+        finally:
+            if args.manual_gc:
+                gc.enable()
+        if self.config.eval_iters > 0:
+            self._final_evaluations(valid_iter, test_iter)
+        return result
+
+    def _final_evaluations(self, valid_iter: Iterator[dict] | None, test_iter: Iterator[dict] | None) -> None:
+        """Megatron's blocks after training: ``validation loss at iteration N on validation set`` (and test)."""
+        iteration = self.state.iteration
+        for name, data in (("validation", valid_iter), ("test", test_iter)):
+            if data is None:
+                continue
+            try:
+                loss = self.evaluate(data)
+            except StopIteration:  # the split holds no more samples (they were planned for the periodic ones)
+                continue
+            setattr(self.result, f"final_{'valid' if name == 'validation' else 'test'}_loss", loss)
+            print_rank_last(validation_log_lines(f"iteration {iteration} on {name} set", loss))
+
+    def _write_log_scalars(self, iteration: int, elapsed: float, tflops: float, window: _LogWindow,
+                           params_norm: float | None, zeros: int | None) -> None:
+        """Megatron's tensorboard scalars at a log line, as its --log-* flags ask."""
+        args, values = self.args, {}
+        if args.log_timers_to_tensorboard:
+            values["iteration-time"] = elapsed
+            if args.log_throughput:
+                values["throughput"] = tflops
+        if args.log_memory_to_tensorboard:
+            values.update(memory_scalars(self.device))
+        if params_norm is not None:
+            values["params-norm"] = params_norm
+        if zeros is not None:
+            values["num-zeros"] = float(zeros)
+        values.update({k: v for k, v in window.losses().items() if k != "lm loss"})
+        self._write_scalars(values)
+
+    def _out_of_time(self, started: float) -> bool:
+        """--exit-duration-in-mins: whether any rank has trained that long (the max over ranks, as Megatron)."""
+        minutes = self.args.exit_duration_in_mins
+        if minutes is None:
+            return False
+        done = torch.tensor([float((time.time() - started) / 60.0 > minutes)], device=self.device)
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+        return bool(done.item())
+
+    def _train(self, train_iter: Iterator[dict], valid_iter: Iterator[dict] | None) -> TrainingResult:
+        config, state, result, args = self.config, self.state, self.result, self.args
+        train_started = time.time()
         self.backend.model.train()
         flops = num_floating_point_operations(self.args, config.global_batch_size)
         window, memory_reported, start_iteration, advanced = _LogWindow(), False, state.iteration, 0
@@ -201,27 +297,45 @@ class Trainer:
             result.iteration = iteration
             window.add(time.perf_counter() - started, step)
             self._write_scalars({"lm loss": step.loss, "grad-norm": step.grad_norm, "learning-rate": lr})
+            if step.num_zeros is not None:
+                result.num_zeros[iteration] = step.num_zeros
+            if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+                gc.collect()
             if iteration % config.log_interval == 0:
                 elapsed = window.seconds / window.iterations
-                print_rank_0(training_log_line(
+                tflops = flops / elapsed / 1e12 / dist.get_world_size()
+                params_norm = self.backend.params_norm() if args.log_params_norm else None
+                if params_norm is not None:
+                    result.params_norms[iteration] = params_norm
+                print_rank_last(training_log_line(
                     iteration=iteration, train_iters=config.train_iters, consumed=state.consumed_train_samples,
-                    elapsed_ms=elapsed * 1000.0, tflops=flops / elapsed / 1e12 / dist.get_world_size(),
-                    lr=lr, global_batch=config.global_batch_size, losses={"lm loss": window.mean_loss()},
+                    elapsed_ms=elapsed * 1000.0, tflops=tflops,
+                    lr=lr, global_batch=config.global_batch_size, losses=window.losses(),
                     grad_norm=step.grad_norm, skipped=window.skipped, nan=window.nan,
+                    num_zeros=step.num_zeros, params_norm=params_norm,
                 ))
+                self._write_log_scalars(iteration, elapsed, tflops, window, params_norm, step.num_zeros)
                 if not memory_reported:
-                    print_rank_0(f"[Rank {dist.get_rank()}] (after {iteration} iterations) "
-                                 f"{memory_report(self.device)}")
+                    print_rank_last(f"[Rank {dist.get_rank()}] (after {iteration} iterations) "
+                                    f"{memory_report(self.device)}")
                     memory_reported = True
                 window = _LogWindow()
             if config.eval_interval and iteration % config.eval_interval == 0 and valid_iter is not None:
                 result.valid_losses[iteration] = self.evaluate(valid_iter)
-                print_rank_0(validation_log_lines(iteration, result.valid_losses[iteration]))
+                print_rank_last(validation_log_lines(f"iteration {iteration}", result.valid_losses[iteration]))
                 self._write_scalars({"lm loss validation": result.valid_losses[iteration]})
+                if args.log_validation_ppl_to_tensorboard:
+                    self._write_scalars({"lm loss validation ppl": math.exp(min(20.0, result.valid_losses[iteration]))})
             if config.save and config.save_interval and iteration % config.save_interval == 0:
                 self.save()
             if config.exit_interval and iteration % config.exit_interval == 0:
-                print_rank_0(f"exiting program at iteration {iteration}")
+                print_rank_last(f"exiting program at iteration {iteration}")
+                result.exit_reason = "--exit-interval"
+                break
+            if self._out_of_time(train_started):
+                print_rank_last(f"exiting program after {args.exit_duration_in_mins} minutes "
+                                f"(--exit-duration-in-mins) at iteration {iteration}")
+                result.exit_reason = "--exit-duration-in-mins"
                 break
         if state.iteration > start_iteration and advanced == 0:
             raise NonFiniteLossError(

@@ -11,6 +11,7 @@ The flags namespace is not written after that; what the run advances lives in a
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -52,6 +53,8 @@ def pretrain(
     args.padded_vocab_size = pad_vocab_size(args)  # the last derived value
     args = freeze_args(args)  # read-only from here on: run state lives in RunState
     set_args(args)
+    if args.logging_level is not None:  # Megatron's --logging-level: Python's root logger
+        logging.getLogger().setLevel(args.logging_level)
     set_random_seed(args.seed)
     config = TrainingConfig.from_args(args)
     layout = build_layout(args, device)
@@ -63,6 +66,7 @@ def pretrain(
     scheduler = OptimizerParamScheduler(
         optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
         decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style,
+        wsd_decay_steps=args.lr_wsd_decay_iters, wsd_decay_style=args.lr_wsd_decay_style,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
@@ -72,7 +76,7 @@ def pretrain(
                      "nothing to train. To train further, raise --train-iters (see docs/megatron.md, Resuming)")
         return TrainingResult(iteration=state.iteration)
     checkpointing.check_save_target(args, state.iteration)  # before training, not at the first save
-    train_iter, valid_iter, _ = build_train_valid_test_data_iterators(
+    train_iter, valid_iter, test_iter = build_train_valid_test_data_iterators(
         args, layout.dp_rank, layout.dp_size, consumed_train_samples=state.consumed_train_samples,
         consumed_valid_samples=state.consumed_valid_samples,
     )
@@ -82,7 +86,7 @@ def pretrain(
     start_iteration, start_samples, started = state.iteration, state.consumed_train_samples, time.perf_counter()
     try:
         trainer = Trainer(args, config, backend, optimizer, scheduler, forward_step, state, writer)
-        result = trainer.train(train_iter, valid_iter)
+        result = trainer.train(train_iter, valid_iter, test_iter)
     finally:
         if writer is not None:
             writer.close()

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tests.functional.megatron_lm_configs import cpu_scaled
+
 ITERS = 16
 
 COMMON = (
     "--mock-data --vocab-size 60 --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
     "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
     "--lr-warmup-iters 2 --clip-grad 1.0 --attention-dropout 0 --hidden-dropout 0 --log-interval 4 "
-    "--make-vocab-size-divisible-by 16 --seed 42"
-).split()
+    "--make-vocab-size-divisible-by 16 --seed 42 --log-params-norm --log-num-zeros-in-grad"
+).split()  # params norm and num zeros: compared between strategies like the losses
 
 MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01".split()
 FSDP = "--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy".split()
@@ -37,6 +39,7 @@ class Config:
     first_iteration: int = 1
     last_iteration: int = ITERS
     baseline_rtol: float | None = None  # against the baseline run of this test run; None: rtol
+    own_flags: bool = False  # flags is the whole command line (Megatron-LM's configurations), without COMMON
 
     @property
     def same_run_rtol(self) -> float:
@@ -45,6 +48,8 @@ class Config:
     def argv(self, ckpt_root: str) -> list[str]:
         flags = [f.replace("{ckpt}", f"{ckpt_root}/w{self.world_size}").replace("{ckpt2}", f"{ckpt_root}/w2")
                  for f in self.flags]
+        if self.own_flags:
+            return flags
         return [*COMMON, "--train-iters", str(ITERS), *flags]
 
 
@@ -129,6 +134,40 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     _cfg("resume_dropout_4_from_2", 4, " ".join([*FSDP, "optim_grads_params", DROPOUT, "--load {ckpt2}-dropout"]),
          baseline="dropout", first=9, baseline_rtol=OTHER_WORLD_DROPOUT_RTOL),
 )}
+
+
+def _mlm(name: str, world: int, megatron_name: str, *, rtol: float, suffix: str = "", extra: str = "",
+         baseline: str | None = None, first: int = 1, last: int = ITERS, baseline_rtol: float | None = None) -> Config:
+    """One of Megatron-LM's FSDP functional-test configurations scaled to CPU (megatron_lm_configs.py)."""
+    flags = cpu_scaled(megatron_name, "{ckpt}-" + megatron_name + suffix) + extra.split()
+    return Config(name, world, tuple(flags), rtol, baseline, first, last, baseline_rtol, own_flags=True)
+
+
+_DTENSOR = "gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor"  # and its _1node twin: the same MODEL_ARGS
+_FSDP2_TP2 = "gpt3_mcore_te_tp2_pp1_fsdp2_resume_torch_dist"
+_FSDP2_TP1 = "gpt3_mcore_tp1_pp1_fsdp2_resume_torch_dist_te"
+_EXPERTS = "gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router"
+_DEEPSEEK = "deepseek_proxy_fsdp_ep2_fsdp2"  # and _1node: the same flags at another size
+_DEEPSEEK_OVERLAP = "deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap"
+# Megatron-LM's resume tests: a run saved at 8 (--exit-interval 8), then resumed from its directory to 16;
+# where an uninterrupted run is listed, the resumed one must reproduce it bit for bit.
+CONFIGS.update({c.name: c for c in (
+    _mlm("mlm_fsdp2_tp1_save", 2, _FSDP2_TP1, rtol=1e-2, extra="--exit-interval 8", last=8),
+    _mlm("mlm_fsdp2_tp1_resume", 2, _FSDP2_TP1, rtol=1e-2, first=9),
+    _mlm("mlm_fsdp_dtensor", 4, _DTENSOR, rtol=1e-2, suffix="-full"),
+    _mlm("mlm_fsdp_dtensor_save", 4, _DTENSOR, rtol=1e-2, extra="--exit-interval 8", last=8,
+         baseline="mlm_fsdp_dtensor", baseline_rtol=0.0),
+    _mlm("mlm_fsdp_dtensor_resume", 4, _DTENSOR, rtol=1e-2, first=9, baseline="mlm_fsdp_dtensor",
+         baseline_rtol=0.0),
+    _mlm("mlm_fsdp2_tp2_save", 4, _FSDP2_TP2, rtol=1e-2, extra="--exit-interval 8", last=8),
+    _mlm("mlm_fsdp2_tp2_resume", 4, _FSDP2_TP2, rtol=1e-2, first=9),
+    _mlm("mlm_experts", 4, _EXPERTS, rtol=1e-2, suffix="-full"),
+    _mlm("mlm_experts_save", 4, _EXPERTS, rtol=1e-2, extra="--exit-interval 8", last=8, baseline="mlm_experts",
+         baseline_rtol=0.0),
+    _mlm("mlm_experts_resume", 4, _EXPERTS, rtol=1e-2, first=9, baseline="mlm_experts", baseline_rtol=0.0),
+    _mlm("mlm_deepseek", 4, _DEEPSEEK, rtol=1e-5),
+    _mlm("mlm_deepseek_ep_overlap", 4, _DEEPSEEK_OVERLAP, rtol=1e-2),
+)})
 
 
 def by_world_size(world_size: int) -> list[Config]:

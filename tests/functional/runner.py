@@ -51,12 +51,14 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str,
                 "lm loss": {str(k): v for k, v in sorted(run.losses.items())},
                 "grad norm": {str(k): v for k, v in sorted(run.grad_norms.items())},
                 "valid loss": {str(k): v for k, v in sorted(run.valid_losses.items())},
+                "params norm": {str(k): v for k, v in sorted(run.params_norms.items())},
+                "num zeros": {str(k): v for k, v in sorted(run.num_zeros.items())},
                 "log": log.getvalue(),
             }
         except Exception:
             results[config.name] = {"error": traceback.format_exc(), "log": log.getvalue()}
         dist.barrier()
-    if rank == 0:
+    if rank == world_size - 1:  # the rank that prints the training log, as Megatron's last rank
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(results, f)
     gc.collect()

@@ -148,7 +148,7 @@ def test_missing_or_damaged_parts_are_errors_naming_the_file(runs):
 
 def test_resume_continues_data_position(runs):
     assert _trained(runs, "resume") == [5, 6]
-    assert "| consumed samples:           40 |" in runs[0]["resume"]["log"], runs[0]["resume"]["log"]
+    assert "| consumed samples:           40 |" in runs[-1]["resume"]["log"], runs[-1]["resume"]["log"]
 
 
 def _learning_rates(log: str) -> list[float]:
@@ -163,11 +163,11 @@ def test_a_changed_schedule_is_refused_unless_a_flag_says_which_wins(runs):
     # override: this run's schedule (cosine from 3e-3 to 0 over 6), at the checkpoint's step
     assert _trained(runs, "schedule_changed_override") == [5, 6]
     cosine = [3e-3 * 0.5 * (math.cos(math.pi * step / 6) + 1) for step in (5, 6)]
-    assert _learning_rates(runs[0]["schedule_changed_override"]["log"]) == pytest.approx(cosine, rel=1e-6, abs=1e-12)
+    assert _learning_rates(runs[-1]["schedule_changed_override"]["log"]) == pytest.approx(cosine, rel=1e-6, abs=1e-12)
     # use-checkpoint: the saved schedule (linear from 1e-3 to 0 over 6) continues; the flags are ignored
     assert _trained(runs, "schedule_changed_use_checkpoint") == [5, 6]
     linear = [1e-3 * (1 - step / 6) for step in (5, 6)]
-    log = runs[0]["schedule_changed_use_checkpoint"]["log"]
+    log = runs[-1]["schedule_changed_use_checkpoint"]["log"]
     assert _learning_rates(log) == pytest.approx(linear, rel=1e-6, abs=1e-12)
 
 

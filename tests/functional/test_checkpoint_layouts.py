@@ -33,7 +33,8 @@ from megatron_fsdp.checkpoint.cli import main as checkpoint_cli
 from tests.distributed.harness import error_on_every_rank, spawn_and_collect
 
 BASE = ("--mock-data --vocab-size 60 --make-vocab-size-divisible-by 32 --num-layers 2 --hidden-size 32 "
-        "--num-attention-heads 4 --num-query-groups 2 --swiglu --untie-embeddings-and-output-weights "
+        "--num-attention-heads 4 --group-query-attention --num-query-groups 2 --swiglu "
+        "--untie-embeddings-and-output-weights "
         "--seq-length 16 --micro-batch-size 2 --global-batch-size 8 --log-interval 1 --train-iters 8 "
         "--attention-dropout 0 --hidden-dropout 0 --lr 1e-3").split()
 FSDP = "--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy optim_grads_params".split()

@@ -33,7 +33,6 @@ def test_derived_values():
      "--num-distributed-optimizer-instances (3) must divide the data-parallel size (2)"),
     (["--use-megatron-fsdp", "--outer-dp-sharding-strategy", "optim"],
      "--outer-dp-sharding-strategy optim requires --num-distributed-optimizer-instances > 1"),
-    (["--use-megatron-fsdp", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 requires --bf16"),
     (["--use-megatron-fsdp", "--use-nccl-ub"], "--use-nccl-ub is not supported by this front-end"),
     (["--use-nccl-ub"], "--use-nccl-ub is not supported by this front-end"),  # not ignored by the DDP baseline
     (["--bf16", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 (the DDP baseline reduces its fp32 gradients"),
@@ -42,7 +41,6 @@ def test_derived_values():
     (["--fp16"], "use --bf16"),
     (["--use-megatron-fsdp", "--model-provider", "mcore", "--distributed-backend", "gloo"],
      "--model-provider mcore needs CUDA"),
-    (["--save-interval", "5"], "--save-interval requires --save"),
     (["--use-distributed-optimizer"], "add --use-megatron-fsdp --data-parallel-sharding-strategy optim"),
 ])
 def test_rejections(flags, message):
@@ -161,7 +159,7 @@ def test_tensor_parallel_sizes_and_derived_data_parallel_size(capsys):
     (["--tensor-model-parallel-size", "3"], 4, "--tensor-model-parallel-size (3) must be >= 1 and divide"),
     (["--tensor-model-parallel-size", "2", "--num-attention-heads", "3", "--hidden-size", "48"], 2,
      "--num-attention-heads (3) must be divisible by --tensor-model-parallel-size (2)"),
-    (["--tensor-model-parallel-size", "2", "--num-query-groups", "1"], 2,
+    (["--tensor-model-parallel-size", "2", "--group-query-attention", "--num-query-groups", "1"], 2,
      "--num-query-groups (1) must be divisible"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33",
       "--max-position-embeddings", "40"], 2, "--seq-length (33) / --context-parallel-size (1) must be divisible"),

@@ -1,0 +1,229 @@
+"""Megatron-LM's FSDP functional-test flags: parsed with Megatron's names, each with a status, effects at start-up.
+
+The 8 command lines are Megatron-LM's own (tests/functional/megatron_lm_configs.py); the
+expected dest names and defaults below are Megatron-LM 0.16.1's (``megatron/training/arguments.py``
+and the dataclasses it builds flags from), the ``--megatron-fsdp-*-dtype`` ones its main branch's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import pytest
+import torch
+
+from megatron.training.arguments import ArgumentError, build_parser, parse_args, validate_args
+from megatron.training.gpt_model import GPTConfig, GPTModel
+from megatron.training.logging_utils import training_log_line, validation_log_lines
+from megatron.training.megatron_flags import FLAG_STATUS, moe_freq_type, require_mcore_model_for
+from megatron.training.optimizer_param_scheduler import OptimizerParamScheduler
+from tests.functional.megatron_lm_configs import MCORE_ONLY, MEGATRON_LM, cpu_scaled, megatron_argv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+BASE = ["--mock-data", "--vocab-size", "60"]
+
+
+@pytest.mark.parametrize("name", sorted(MEGATRON_LM))
+def test_megatron_lm_command_lines_parse_unedited(name):
+    parse_args(megatron_argv(name))  # argparse exits on an unrecognised flag
+
+
+def test_the_eight_configurations_use_125_flags():
+    flags = {a for name in MEGATRON_LM for a in megatron_argv(name) if a.startswith("--")}
+    assert len(MEGATRON_LM) == 8 and len(flags) == 125, (len(MEGATRON_LM), len(flags))
+
+
+# (flag, dest, default) as Megatron-LM defines them.
+MEGATRON_DESTS = [
+    ("--norm-epsilon", "layernorm_epsilon", 1e-5), ("--disable-bias-linear", "add_bias_linear", True),
+    ("--fp8-format", "fp8", None), ("--fp8-recipe", "fp8_recipe", "delayed"),
+    ("--use-mcore-models", "deprecated_use_mcore_models", False),
+    ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", True),
+    ("--no-rope-fusion", "apply_rope_fusion", True), ("--no-bias-gelu-fusion", "bias_gelu_fusion", True),
+    ("--use-checkpoint-opt_param-scheduler", "use_checkpoint_opt_param_scheduler", False),
+    ("--transformer-impl", "transformer_impl", "transformer_engine"), ("--kv-lora-rank", "kv_lora_rank", 32),
+    ("--qk-head-dim", "qk_head_dim", 128), ("--qk-pos-emb-head-dim", "qk_pos_emb_head_dim", 64),
+    ("--v-head-dim", "v_head_dim", 128), ("--mscale-all-dim", "mscale_all_dim", 0.0),
+    ("--moe-token-dispatcher-type", "moe_token_dispatcher_type", "allgather"),
+    ("--moe-router-load-balancing-type", "moe_router_load_balancing_type", "aux_loss"),
+    ("--moe-router-score-function", "moe_router_score_function", "softmax"),
+    ("--moe-router-bias-update-rate", "moe_router_bias_update_rate", 1e-3), ("--moe-layer-freq", "moe_layer_freq", 1),
+    ("--dist-ckpt-strictness", "dist_ckpt_strictness", "assume_ok_unexpected"),
+    ("--megatron-fsdp-main-params-dtype", "megatron_fsdp_main_params_dtype", "fp32"),
+    ("--megatron-fsdp-main-grads-dtype", "megatron_fsdp_main_grads_dtype", "auto"),
+    ("--main-grads-dtype", "main_grads_dtype", "fp32"), ("--use-cpu-initialization", "use_cpu_initialization", None),
+    ("--manual-gc-interval", "manual_gc_interval", 0), ("--timing-log-level", "timing_log_level", 0),
+    ("--eval-interval", "eval_interval", None), ("--lr-wsd-decay-style", "lr_wsd_decay_style", "exponential"),
+]
+
+
+@pytest.mark.parametrize("flag,dest,default", MEGATRON_DESTS)
+def test_dest_names_and_defaults_are_megatrons(flag, dest, default):
+    actions = {o: a for a in build_parser()._actions for o in a.option_strings}
+    assert actions[flag].dest == dest and actions[flag].default == default, (actions[flag].dest,
+                                                                             actions[flag].default)
+
+
+def test_choice_lists_are_megatrons():
+    actions = {o: a for a in build_parser()._actions for o in a.option_strings}
+    assert tuple(actions["--lr-decay-style"].choices) == ("constant", "linear", "cosine", "inverse-square-root",
+                                                          "WSD")
+    assert tuple(actions["--position-embedding-type"].choices) == ("learned_absolute", "rope", "mrope", "relative",
+                                                                   "none")
+    assert tuple(actions["--ckpt-format"].choices) == ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
+    assert tuple(actions["--moe-token-dispatcher-type"].choices) == ("allgather", "alltoall", "flex")
+
+
+def test_every_added_flag_has_a_status_and_is_documented():
+    with open(os.path.join(ROOT, "docs", "megatron.md")) as f:
+        docs = f.read()
+    added = {a for name in MEGATRON_LM for a in megatron_argv(name) if a.startswith("--")}
+    parser_flags = {o for a in build_parser()._actions for o in a.option_strings}
+    for flag in FLAG_STATUS:
+        assert flag in parser_flags, flag
+        assert FLAG_STATUS[flag][0] in ("effect", "no-op", "stops", "mcore"), flag
+        assert f"`{flag}" in docs, f"{flag} is not listed in docs/megatron.md"
+    for flag in added:  # the 125: each has a status here or a row of its own in the docs
+        assert flag in FLAG_STATUS or re.search(re.escape(flag) + r"(?![\w-])", docs), flag
+
+
+def _validated(argv: list[str], world: int = 2):
+    return validate_args(parse_args(BASE + argv), world)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--vocab-file", "v.json"], "--vocab-file is not supported by this front-end"),
+    (["--fp8-format", "e4m3"], "--fp8-format is not supported by this front-end: FP8 needs TransformerEngine"),
+    (["--fp8-param-gather"], "--fp8-param-gather is not supported"),
+    (["--async-save"], "--async-save is not supported by this front-end: checkpoints are written synchronously"),
+    (["--use-torch-fsdp2"], "--use-torch-fsdp2 is not supported"),
+    (["--use-precision-aware-optimizer"], "--use-precision-aware-optimizer is not supported"),
+    (["--main-grads-dtype", "bf16"], "--main-grads-dtype is not supported"),
+    (["--delay-wgrad-compute"], "--delay-wgrad-compute is not supported"),
+    (["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm is not supported"),
+    (["--keep-fp8-transpose-cache"], "--keep-fp8-transpose-cache is not supported"),
+    (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine needs TransformerEngine"),
+    (["--ckpt-format", "torch_dcp"], "--ckpt-format torch_dcp is Megatron-LM's format for --use-torch-fsdp2"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"],
+     "can only specify one of --lr-warmup-fraction and --lr-warmup-iters"),
+    (["--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
+    (["--num-experts", "2", "--moe-token-dispatcher-type", "flex"], "flex needs DeepEP"),
+    (["--num-experts", "2", "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2"),
+    (["--use-megatron-fsdp", "--megatron-fsdp-main-params-dtype", "bf16"], "bf16 needs --bf16"),
+    (["--use-megatron-fsdp", "--megatron-fsdp-grad-comm-dtype", "fp16"], "fp16 is not supported"),
+    (["--use-megatron-fsdp", "--bf16", "--megatron-fsdp-grad-comm-dtype", "bf16"],
+     "differs from the main-gradient dtype (fp32)"),
+    (["--megatron-fsdp-main-grads-dtype", "fp32"], "require --use-megatron-fsdp"),
+    (["--multi-latent-attention"], "--multi-latent-attention: only megatron-core's GPTModel implements it"),
+    (["--num-experts", "2", "--moe-layer-freq", "[1,0,1]"], "--moe-layer-freq lists 3 layers"),
+])
+def test_flags_that_cannot_act_stop_naming_the_flag(argv, message):
+    if "transformer_engine" in argv and _te_installed():
+        pytest.skip("TransformerEngine is installed")
+    with pytest.raises(ArgumentError) as info:
+        _validated(argv)
+    assert message in str(info.value), str(info.value)
+
+
+def _te_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def test_deepseek_proxy_on_our_gpt_stops_naming_each_megatron_core_flag():
+    argv = cpu_scaled("deepseek_proxy_fsdp_ep2_fsdp2", "/tmp/unused", drop_mcore_only=False)
+    args = parse_args(argv)
+    needed = require_mcore_model_for(args)
+    for flag in ("--multi-latent-attention", "--moe-shared-expert-intermediate-size", "--moe-router-pre-softmax",
+                 "--moe-router-group-topk", "--moe-router-num-groups", "--moe-router-topk-scaling-factor",
+                 "--moe-router-score-function sigmoid", "--moe-router-enable-expert-bias",
+                 "--moe-router-load-balancing-type seq_aux_loss"):
+        assert flag in needed, (flag, needed)
+    with pytest.raises(ArgumentError, match="--multi-latent-attention, --moe-shared-expert-intermediate-size"):
+        validate_args(args, 4)
+    assert set(MCORE_ONLY) >= {f.split()[0] for f in needed}
+    mcore = parse_args(argv + ["--model-provider", "mcore"])
+    assert require_mcore_model_for(mcore) == []  # the megatron-core model takes them (the mcore27 branch)
+
+
+def test_start_up_effects():
+    args = _validated(["--lr-warmup-fraction", "0.25", "--train-iters", "8"])
+    assert args.lr_warmup_iters == 2.0 and args.lr_decay_iters == 8  # Megatron: fraction x decay iterations
+    assert args.transformer_impl == ("transformer_engine" if _te_installed() else "local") or \
+        args.transformer_impl == "local"
+    args = _validated(["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                       "--num-distributed-optimizer-instances", "2", "--enable-full-sharding-in-hsdp"], 4)
+    assert args.outer_dp_sharding_strategy == "optim"
+    args = _validated(["--num-query-groups", "2"])
+    assert args.num_query_groups is None  # Megatron reads it only with --group-query-attention
+    assert _validated(["--group-query-attention", "--num-query-groups", "2"]).num_query_groups == 2
+    args = _validated(["--use-megatron-fsdp", "--grad-reduce-in-bf16"])  # Megatron accepts it without --bf16
+    assert args.grad_reduce_in_bf16 is False
+    args = _validated(["--use-megatron-fsdp", "--bf16", "--megatron-fsdp-main-params-dtype", "auto",
+                       "--megatron-fsdp-main-grads-dtype", "bf16"])
+    assert args.preserve_fp32_weights is False and args.grad_reduce_in_bf16 is True
+    args = _validated(["--use-megatron-fsdp", "--bf16", "--megatron-fsdp-main-grads-dtype", "fp32"])
+    assert args.preserve_fp32_weights is True and args.accumulate_allreduce_grads_in_fp32 is True
+    assert _validated(["--hidden-size", "64", "--num-attention-heads", "4"]).kv_channels == 16
+
+
+def test_moe_layer_freq_reads_megatrons_expressions():
+    assert moe_freq_type("([0]*3+[1]*5)") == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert moe_freq_type("2") == 2 and moe_freq_type("[1,0]*2") == [1, 0, 1, 0]
+    with pytest.raises(Exception, match="only list literals"):
+        moe_freq_type("__import__('os')")
+
+
+def _lrs(style: str, steps: int, **kw) -> list[float]:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = OptimizerParamScheduler(opt, max_lr=1.0, min_lr=0.1, warmup_steps=2, decay_steps=10,
+                                    decay_style=style, **kw)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        sched.step()
+    return out
+
+
+def test_inverse_square_root_and_wsd_schedules_follow_megatron():
+    lrs = _lrs("inverse-square-root", 12)
+    assert lrs[:3] == [0.0, 0.5, 1.0]
+    assert lrs[8] == pytest.approx(max(0.1, 1.0 * math.sqrt(2) / math.sqrt(8)))
+    assert lrs[11] == 0.1  # past the decay steps: min lr
+    lrs = _lrs("WSD", 11, wsd_decay_steps=4, wsd_decay_style="linear")
+    assert lrs[2:7] == [1.0] * 5  # stable until decay steps - WSD steps
+    assert lrs[8] == pytest.approx(0.1 + (1 - 2 / 4) * 0.9) and lrs[10] == pytest.approx(0.1)
+    lrs = _lrs("WSD", 11, wsd_decay_steps=4)  # exponential: 2 * 0.5**ratio - 1
+    assert lrs[7] == pytest.approx(0.1 + (2 * 0.5 ** 0.25 - 1) * 0.9)
+
+
+def test_log_line_has_megatrons_fields():
+    line = training_log_line(iteration=4, train_iters=8, consumed=32, elapsed_ms=10.0, tflops=0.5, lr=1e-3,
+                             global_batch=8, losses={"lm loss": 2.0, "load_balancing_loss": 1.01},
+                             grad_norm=0.5, skipped=0, nan=0, num_zeros=7, params_norm=12.3456)
+    assert re.match(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration        4/       8 \|", line), line
+    assert "| load_balancing_loss: 1.010000E+00 | loss scale: 1.0 | grad norm: 0.500 | num zeros: 7 | " \
+           "params norm: 12.346 | number of skipped" in line, line
+    assert " validation loss at iteration 8 on test set | lm loss value: 2.000000E+00 |" in \
+        validation_log_lines("iteration 8 on test set", 2.0)
+
+
+def test_our_gpt_honours_the_cheap_architecture_flags():
+    torch.manual_seed(0)  # experts seed from torch.initial_seed()
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_position_embeddings=16,
+                attention_dropout=0.0, hidden_dropout=0.0)
+    model = GPTModel(GPTConfig(**base, kv_channels=4, add_bias_linear=False, qk_layernorm=True,
+                               layernorm_epsilon=1e-6, normalization="RMSNorm", num_experts=2,
+                               moe_layer_pattern=(0, 1), position_embedding_type="none"))
+    attn = model.layers[0].attention
+    assert attn.qkv.weight.shape == (3 * 4 * 4, 32) and attn.proj.weight.shape == (32, 16)  # heads x kv-channels
+    assert attn.qkv.bias is None and attn.proj.bias is None and model.layers[0].mlp.fc1.bias is None
+    assert attn.q_norm.eps == 1e-6 and attn.q_norm.weight.shape == (4,)
+    assert type(model.layers[0].mlp).__name__ == "MLP" and type(model.layers[1].mlp).__name__ == "MoELayer"
+    assert model.position_embeddings is None
+    tokens = torch.randint(0, 64, (2, 16))
+    losses = model(tokens, labels=tokens)
+    assert losses.shape == (2, 16) and torch.isfinite(losses).all()
