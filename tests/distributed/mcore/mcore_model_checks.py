@@ -1,0 +1,266 @@
+"""megatron-core's own GPTModel under our adapter vs megatron-core's DistributedDataParallel and torch DDP.
+
+Runs only with megatron-core 0.16.1 importable (tests/distributed/mcore/test_mcore_model.py starts
+a process with .venv/extras/mcore on the path). The model is built by the front-end
+(``megatron/training/mcore_model.py``: Megatron's flag-to-TransformerConfig mapping, the local
+layer spec, on CPU through ``mcore_cpu_compat``) with dropout on: every arm reseeds the CPU
+generator and megatron-core's RNG tracker before each step, so all draw the same masks.
+
+Bitwise at 2 data-parallel ranks (TP2 x DP2 included): fp32 parameters after several AdamW
+steps, and every step's loss, equal across arms; at 4 data-parallel ranks within 1e-6 (``exact()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel as McoreDDP
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.mcore_model import initialize_mcore_parallel, mcore_gpt_model
+from megatron.training.model_setup import pad_vocab_size
+from megatron_fsdp import FSDPModule, microbatch
+from megatron_fsdp.mcore import FullyShardedDataParallel
+from tests.distributed.harness import check
+
+SUITE = "mcore_model"
+STEPS = 6
+SEQ = 12
+VOCAB = 61  # odd rows: shards that do not divide evenly
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def model_args(*flags: str):
+    argv = ["--mock-data", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "1", "--num-layers", "2",
+            "--hidden-size", "16", "--ffn-hidden-size", "24", "--num-attention-heads", "4", "--seq-length",
+            str(SEQ), "--model-provider", "mcore", *flags]
+    args = validate_args(parse_args(argv), dist.get_world_size())
+    args.padded_vocab_size = pad_vocab_size(args)
+    return args
+
+
+def build(args):
+    """megatron-core's GPTModel, as pretrain() builds it (seeded as set_random_seed does)."""
+    torch.manual_seed(args.seed)
+    return mcore_gpt_model(args)
+
+
+def reseed(step: int) -> None:
+    torch.manual_seed(900 + step)
+    tensor_parallel.model_parallel_cuda_manual_seed(900 + step, force_reset_rng=True)
+
+
+def batch(step: int, dp_rank: int, dp_size: int, vocab: int) -> tuple[torch.Tensor, ...]:
+    """Two batches, alternating (so that the loss, a local one per rank, must fall over the steps)."""
+    g = torch.Generator().manual_seed(100 + step % 2)
+    tokens = torch.randint(0, vocab, (2 * dp_size, SEQ + 1), generator=g).chunk(dp_size)[dp_rank]
+    positions = torch.arange(SEQ).expand(tokens.shape[0], SEQ)
+    return tokens[:, :-1].contiguous(), positions, tokens[:, 1:].contiguous()
+
+
+def loss_of(model, step: int) -> torch.Tensor:
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    tokens, positions, labels = batch(step, dp_rank, dp_size, VOCAB)
+    reseed(step)
+    return model(tokens, positions, None, labels=labels).mean()
+
+
+def exact() -> bool:
+    """Bitwise where each gradient element is a sum of two ranks' (a sum of two numbers has one order).
+
+    Over 4 data-parallel ranks gloo's ring all-reduce adds an element's four terms in an
+    order set by its position in the reduced buffer, which differs between wrappers that
+    bucket differently (torch DDP and megatron-core DDP differ from each other the same
+    way): there the bar is DESIGN's 1e-6, with SGD, since Adam's m / sqrt(v) turns
+    last-bit gradient differences into visible ones.
+    """
+    return parallel_state.get_data_parallel_world_size() == 2
+
+
+def optimizer(params) -> torch.optim.Optimizer:
+    if exact():
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def assert_equal(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    if exact():
+        diff = (got - want).abs().max().item()
+        assert torch.equal(got, want), f"{what} differs by up to {diff:.3g} (bitwise expected)"
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=lambda m: f"{what}: {m}")
+
+
+def train_torch_ddp(args) -> tuple[dict, list[float]]:
+    model = DDP(build(args), process_group=parallel_state.get_data_parallel_group())
+    opt, losses = optimizer(model.parameters()), []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = loss_of(model, step)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}, losses
+
+
+def mcore_ddp(args) -> McoreDDP:
+    module = build(args)
+    return McoreDDP(config=module.config, ddp_config=DistributedDataParallelConfig(), module=module)
+
+
+def main_grads_to_grads(model: McoreDDP) -> None:
+    """What Megatron's optimizer does before stepping: the reduced main_grad is the gradient."""
+    for param in model.module.parameters():
+        param.grad = param.main_grad
+
+
+def train_mcore_ddp(args) -> tuple[dict, list[float]]:
+    model = mcore_ddp(args)
+    opt, losses = optimizer(model.module.parameters()), []
+    for step in range(STEPS):
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        loss = loss_of(model, step)
+        loss.backward()
+        model.finish_grad_sync()
+        main_grads_to_grads(model)
+        opt.step()
+        losses.append(loss.item())
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}, losses
+
+
+def ours(args, strategy: str, instances: int = 1, mesh=None) -> FullyShardedDataParallel:
+    ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
+                                               num_distributed_optimizer_instances=instances)
+    module = build(args)
+    return FullyShardedDataParallel(module.config, ddp_config, module, device_mesh=mesh)
+
+
+def train_ours(args, strategy: str, instances: int = 1, mesh=None) -> tuple[dict, list[float]]:
+    model = ours(args, strategy, instances, mesh)
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    assert len(layers) == 2 and all(isinstance(m, FSDPModule) for m in layers), "megatron-core's layers are units"
+    opt, losses = optimizer(model.parameters()), []
+    for step in range(STEPS):
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        with microbatch(model, is_first=True, is_last=True):
+            loss = loss_of(model, step)
+            loss.backward()
+        model.finish_grad_sync()
+        opt.step()
+        model.start_param_sync()
+        losses.append(loss.item())
+    return {n: p.full_tensor().detach().clone() for n, p in model.module.module.named_parameters()}, losses
+
+
+def assert_same(what: str, got: tuple[dict, list[float]], want: tuple[dict, list[float]]) -> None:
+    """Every parameter after the steps, and every step's loss, equal (bitwise or 1e-6: ``exact()``)."""
+    params, losses = got
+    ref_params, ref_losses = want
+    assert params.keys() == ref_params.keys(), f"{what}: {sorted(params)} vs {sorted(ref_params)}"
+    assert_equal(f"{what}: losses", torch.tensor(losses), torch.tensor(ref_losses))
+    for name, value in params.items():
+        assert_equal(f"{what}: {name}", value, ref_params[name])
+
+
+@check(SUITE)
+def every_strategy_equals_megatron_core_ddp() -> None:
+    """Each of the four strategies (and HSDP at 4 ranks) == megatron-core DDP == torch DDP (``exact()``)."""
+    args = model_args()
+    model = build(args)
+    assert type(model).__module__ == "megatron.core.models.gpt.gpt_model", type(model)
+    reference = train_mcore_ddp(args)
+    assert_same("torch DDP vs megatron-core DDP", train_torch_ddp(args), reference)
+    assert reference[1][-1] < reference[1][0], f"the loss should fall: {reference[1]}"
+    for strategy in STRATEGIES:
+        assert_same(strategy, train_ours(args, strategy), reference)
+    if dist.get_world_size() == 4:
+        for strategy in ("optim_grads_params", "optim"):  # HSDP: 2 replicas of 2 shards
+            assert_same(f"HSDP {strategy} x2", train_ours(args, strategy, instances=2), reference)
+
+
+@check(SUITE, world_sizes=(4,))
+def tensor_parallel_2_equals_megatron_core_ddp() -> None:
+    """TP2 x DP2: megatron-core's column/row-parallel layers, our FSDP over DP == megatron-core DDP at TP2."""
+    args = model_args("--tensor-model-parallel-size", "2")
+    try:
+        base = build(args)
+        assert parallel_state.get_tensor_model_parallel_world_size() == 2
+        qkv = base.decoder.layers[0].self_attention.linear_qkv.weight
+        assert qkv.tensor_model_parallel and qkv.partition_dim == 0, "megatron-core's column-parallel weight"
+        reference = train_mcore_ddp(args)
+        assert reference[1][-1] < reference[1][0], f"the loss should fall: {reference[1]}"
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        for strategy in STRATEGIES:
+            assert_same(f"TP2 {strategy}", train_ours(args, strategy, mesh=mesh), reference)
+    finally:
+        parallel_state.destroy_model_parallel()
+        initialize_mcore_parallel(model_args(), seed=1)
+
+
+@check(SUITE)
+def loop_methods_behave_as_megatron_core_ddp() -> None:
+    """no_sync accumulation, start/finish_grad_sync, zero_grad_buffer: the same gradients as megatron-core DDP."""
+    args = model_args()
+    theirs, mine = mcore_ddp(args), ours(args, "optim_grads_params")
+    for model in (theirs, mine):
+        model.zero_grad_buffer()
+        with model.no_sync():  # micro-batch 1: accumulated locally, not reduced
+            loss_of(model, 0).backward()
+        loss_of(model, 1).backward()  # micro-batch 2: reduced (megatron-core reduces in finish_grad_sync)
+        model.start_grad_sync()
+        model.finish_grad_sync()
+    reference = {n: p.main_grad for n, p in theirs.module.named_parameters()}
+    for name, param in mine.module.module.named_parameters():
+        assert_equal(f"gradient of {name}", param.grad.full_tensor(), reference[name])
+    for model in (theirs, mine):
+        model.zero_grad_buffer()
+    assert all(not p.main_grad.any() for p in theirs.module.parameters())
+    assert all(p.grad is None for p in mine.parameters()), "zero_grad_buffer clears our gradients"
+
+
+def _pretrain(argv: list[str]):
+    from megatron.training.training import pretrain
+    from pretrain_gpt import forward_step, model_provider
+
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        run = pretrain(model_provider, forward_step, argv)
+    return run, log.getvalue()
+
+
+@check(SUITE, world_sizes=(2,))
+def pretrain_gpt_trains_and_resumes_megatron_core_model() -> None:
+    """pretrain_gpt.py builds megatron-core's model by default, trains, and resumes an fsdp_dtensor checkpoint
+    bitwise (dropout on: megatron-core's RNG tracker states travel in the checkpoint)."""
+    root = tempfile.mkdtemp() if dist.get_rank() == 0 else None
+    holder = [root]
+    dist.broadcast_object_list(holder)
+    root = holder[0]
+    common = ["--mock-data", "--vocab-size", "61", "--num-layers", "2", "--hidden-size", "16",
+              "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--lr", "1e-2",
+              "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+              "--ckpt-format", "fsdp_dtensor", "--train-iters", "6"]
+    full, log = _pretrain(common)
+    assert "building megatron-core GPTModel (local layer spec, CPU compatibility layer): --model-provider auto" \
+        in log or dist.get_rank() != 0, log[:2000]
+    losses = [full.losses[i] for i in sorted(full.losses)]
+    assert losses[-1] < losses[0], losses
+    _pretrain([*common, "--save", os.path.join(root, "ckpt"), "--save-interval", "3", "--exit-interval", "3"])
+    resumed, _ = _pretrain([*common, "--load", os.path.join(root, "ckpt")])
+    for it in (4, 5, 6):
+        assert resumed.losses[it] == full.losses[it], (it, resumed.losses, full.losses)
+    gpt, log = _pretrain([*common[:-2], "--train-iters", "2", "--model-provider", "gpt"])
+    assert "building the project's own GPT" in log or dist.get_rank() != 0, log[:2000]
