@@ -13,6 +13,7 @@ steps, and every step's loss, equal across arms; at 4 data-parallel ranks within
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import tempfile
@@ -27,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.mcore_model import initialize_mcore_parallel, mcore_gpt_model
+from megatron.training.mcore_model import initialize_mcore_parallel, mcore_gpt_model, transformer_config_from_args
 from megatron.training.model_setup import pad_vocab_size
 from megatron_fsdp import FSDPModule, microbatch
 from megatron_fsdp.mcore import FullyShardedDataParallel
@@ -264,3 +265,65 @@ def pretrain_gpt_trains_and_resumes_megatron_core_model() -> None:
         assert resumed.losses[it] == full.losses[it], (it, resumed.losses, full.losses)
     gpt, log = _pretrain([*common[:-2], "--train-iters", "2", "--model-provider", "gpt"])
     assert "building the project's own GPT" in log or dist.get_rank() != 0, log[:2000]
+
+
+@check(SUITE, world_sizes=(2,))
+def cpu_compat_patches_fit_the_installed_megatron_core() -> None:
+    """Every patch's megatron-core line still reads as expected; a changed line or version is reported."""
+    from megatron.training import mcore_cpu_compat as compat
+
+    assert compat.stale_patches() == [], compat.stale_patches()
+    moved = dataclasses.replace(compat.PATCHES[0], lines=(compat.PATCHES[0].lines[0] + 1,))
+    gone = dataclasses.replace(compat.PATCHES[4], target="no_such_function")
+    problems = compat.stale_patches((moved, gone))
+    assert len(problems) == 2 and "now reads" in problems[0] and "no longer exists" in problems[1], problems
+    real = compat.installed_version
+    compat.installed_version = lambda: "0.17.0"
+    try:
+        assert "megatron-core 0.17.0 is installed; these patches are for 0.16.1" in compat.stale_patches()[0]
+    finally:
+        compat.installed_version = real
+    if not torch.cuda.is_available():  # applied (by the model builds above): what megatron-core now calls
+        from megatron.core.fusions import fused_softmax
+
+        mask = fused_softmax.get_default_causal_mask(3)
+        assert mask.device.type == "cpu" and mask.tolist() == [[False, True, True], [False, False, True],
+                                                               [False, False, False]]
+        seed = 77
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+        states = tensor_parallel.get_cuda_rng_tracker().get_states()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        expected = torch.Generator().manual_seed(seed + 2718 + tp_rank).get_state()
+        assert torch.equal(states["model-parallel-rng"], expected), "the TP rank's CPU generator state"
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            drawn = torch.rand(4)
+        assert torch.equal(drawn, torch.rand(4, generator=torch.Generator().manual_seed(seed + 2718 + tp_rank)))
+
+
+@check(SUITE, world_sizes=(2,))
+def model_choice_names_the_cause() -> None:
+    """auto: megatron-core's model where it can run, else the project's GPT with the reason; mcore: an error."""
+    from megatron.training.arguments import ArgumentError
+
+    def args_for(*flags: str):
+        return validate_args(parse_args(["--mock-data", "--vocab-size", "64", *flags]), dist.get_world_size())
+
+    auto = args_for()
+    assert auto.model_provider == "mcore" and "megatron-core 0.16.1 is installed" in auto.model_provider_reason
+    for flags, cause in ((["--context-parallel-size", "2"], "--context-parallel-size > 1"),
+                         (["--num-experts", "2"], "--num-experts"),
+                         (["--use-megatron-fsdp", "--init-model-with-meta-device"], "--init-model-with-meta-device")):
+        fallback = args_for(*flags)
+        assert fallback.model_provider == "gpt" and cause in fallback.model_provider_reason, vars(fallback)
+        try:
+            args_for(*flags, "--model-provider", "mcore")
+        except ArgumentError as error:
+            assert cause in str(error) and "--model-provider gpt" in str(error), error
+        else:
+            raise AssertionError(f"--model-provider mcore with {flags} should stop")
+    config = transformer_config_from_args(model_args("--swiglu", "--normalization", "RMSNorm", "--num-query-groups",
+                                                     "2", "--untie-embeddings-and-output-weights"))
+    assert config.gated_linear_unit and config.normalization == "RMSNorm" and config.use_cpu_initialization
+    assert config.num_query_groups == 4, "Megatron: --num-query-groups counts only with --group-query-attention"
+    gqa = transformer_config_from_args(model_args("--group-query-attention", "--num-query-groups", "2"))
+    assert gqa.num_query_groups == 2 and gqa.params_dtype == torch.float32
