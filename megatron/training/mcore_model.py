@@ -65,6 +65,11 @@ def mcore_blockers(args: argparse.Namespace) -> list[str]:
     if args.context_parallel_size > 1:
         blockers.append("--context-parallel-size > 1: megatron-core's context parallelism is not wired into this "
                         "front-end (it needs TransformerEngine's attention)")
+    local_spec = _arg(args, "transformer_impl", "local") == "local"
+    if (args.sequence_parallel and args.tensor_model_parallel_size > 1 and local_spec
+            and importlib.util.find_spec("apex") is None):
+        blockers.append("--sequence-parallel: megatron-core's local layer spec without Apex norms uses torch's "
+                        "LayerNorm, which megatron-core refuses under sequence parallelism")
     if args.num_experts:
         blockers.append("--num-experts: megatron-core's MoE layer is not wired into this front-end yet")
     if _arg(args, "multi_latent_attention", False):
