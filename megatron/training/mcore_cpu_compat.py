@@ -115,6 +115,7 @@ class Patch:
     lines: tuple[int, ...]
     expected: str
     replacement: object
+    adds: bool = False  # the target is missing from megatron-core (a bug) and is added, not replaced
 
     def describe(self) -> str:
         return f"megatron/core/{self.path}:{','.join(map(str, self.lines))} ({self.expected})"
@@ -134,6 +135,12 @@ PATCHES: tuple[Patch, ...] = (
     # megatron-core DDP's contiguous param and grad buffers.
     _torch_patch("megatron.core.distributed.param_and_grad_buffer", "distributed/param_and_grad_buffer.py",
                  (783, 800, 806)),
+    # MoE: the router moves a CPU-resident gate to the current CUDA device, and allocates its aux-loss state there.
+    _torch_patch("megatron.core.transformer.moe.router", "transformer/moe/router.py", (90, 92, 169, 178, 192, 198)),
+    # moe_utils.py binds te_general_gemm only inside its TransformerEngine `try` (megatron-core 0.16.1 bug): without
+    # TE the router's gating linear raises NameError. None is what its own `if te_general_gemm is not None` expects.
+    Patch("megatron.core.transformer.moe.moe_utils", "te_general_gemm", "transformer/moe/moe_utils.py", (1192,),
+          "if te_general_gemm is not None", None, adds=True),
     Patch("megatron.core.transformer.utils", "get_default_causal_mask", "transformer/utils.py", (35,),
           'device="cuda"', _cpu_default_causal_mask),
     Patch("megatron.core.transformer.utils", "get_sliding_window_causal_mask", "transformer/utils.py", (40,),
@@ -192,7 +199,9 @@ def stale_patches(patches: tuple[Patch, ...] = PATCHES) -> list[str]:
         module = importlib.import_module(patch.module)
         owner, _, attr = patch.target.rpartition(".")
         holder = _resolve(module, owner)
-        if not hasattr(holder, attr):
+        if patch.adds and hasattr(holder, attr) and not _applied:
+            problems.append(f"{patch.describe()}: {patch.module}.{patch.target} now exists (fixed upstream?)")
+        elif not patch.adds and not hasattr(holder, attr):
             problems.append(f"{patch.describe()}: {patch.module}.{patch.target} no longer exists")
     return problems
 

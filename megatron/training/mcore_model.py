@@ -71,7 +71,9 @@ def mcore_blockers(args: argparse.Namespace) -> list[str]:
         blockers.append("--sequence-parallel: megatron-core's local layer spec without Apex norms uses torch's "
                         "LayerNorm, which megatron-core refuses under sequence parallelism")
     if args.num_experts:
-        blockers.append("--num-experts: megatron-core's MoE layer is not wired into this front-end yet")
+        blockers.append("--num-experts: megatron-core's MoE layer is not wired into this front-end yet (it runs "
+                        "under the engine with Megatron's allgather dispatcher, which --moe-token-dispatcher-type "
+                        "does not offer yet)")
     if _arg(args, "multi_latent_attention", False):
         blockers.append("--multi-latent-attention: megatron-core's local layer spec has no core attention for "
                         "MLA's head sizes on CPU")
