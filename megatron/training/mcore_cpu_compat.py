@@ -135,6 +135,9 @@ PATCHES: tuple[Patch, ...] = (
     # megatron-core DDP's contiguous param and grad buffers.
     _torch_patch("megatron.core.distributed.param_and_grad_buffer", "distributed/param_and_grad_buffer.py",
                  (783, 800, 806)),
+    # RoPE moves its inverse frequencies to the current CUDA device at the first forward.
+    _torch_patch("megatron.core.models.common.embeddings.rotary_pos_embedding",
+                 "models/common/embeddings/rotary_pos_embedding.py", (162,)),
     # MoE: the router moves a CPU-resident gate to the current CUDA device, and allocates its aux-loss state there.
     _torch_patch("megatron.core.transformer.moe.router", "transformer/moe/router.py", (90, 92, 169, 178, 192, 198)),
     # moe_utils.py binds te_general_gemm only inside its TransformerEngine `try` (megatron-core 0.16.1 bug): without

@@ -331,7 +331,7 @@ def model_choice_names_the_cause() -> None:
 
 @check(SUITE, world_sizes=(2,))
 def pretrain_gpt_tensor_parallel_megatron_core_model() -> None:
-    """pretrain_gpt.py with megatron-core's model at TP2 trains as at TP1 x DP2.
+    """pretrain_gpt.py with megatron-core's model (RoPE, SwiGLU, RMSNorm) at TP2 trains as at TP1 x DP2.
 
     megatron-core builds the full weights on the host and gives each TP rank its slice
     (use_cpu_initialization), so both layouts start from the same model; dropout is off, and
@@ -342,9 +342,11 @@ def pretrain_gpt_tensor_parallel_megatron_core_model() -> None:
     common = ["--mock-data", "--vocab-size", "120", "--make-vocab-size-divisible-by", "64", "--num-layers", "2",
               "--hidden-size", "16", "--num-attention-heads", "4", "--seq-length", "16", "--global-batch-size", "4",
               "--lr", "1e-2", "--attention-dropout", "0", "--hidden-dropout", "0", "--train-iters", "4",
-              "--use-megatron-fsdp",
-              "--data-parallel-sharding-strategy", "optim_grads_params"]
+              "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+              "--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm", "--eval-interval", "2",
+              "--eval-iters", "1"]
     data_parallel, _ = _pretrain(common)
+    assert data_parallel.valid_losses, "evaluation ran"
     for extra, built in (([], "building megatron-core GPTModel"),
                          # megatron-core's torch-norm fallback refuses sequence parallelism: auto says so.
                          (["--sequence-parallel"], "building the project's own GPT (megatron/training/gpt_model.py): "
