@@ -1,4 +1,4 @@
-"""megatron-core 0.16.1 on CPU: the few CUDA-only calls of its dense GPT path, redirected to the CPU.
+"""megatron-core 0.16.1 on CPU: the few CUDA-only calls of its GPT path (dense and MoE), redirected to the CPU.
 
 megatron-core builds and trains its ``GPTModel`` (local layer spec) on CPU except
 where it names CUDA outright. ``apply_cpu_compat()`` redirects exactly those
@@ -11,10 +11,11 @@ megatron-core version fails loudly instead of being patched blindly.
 How each CUDA call is redirected:
 
 - ``torch.cuda.current_device()`` as an allocation device (global memory buffer,
-  sequence-parallel gathers, DDP grad buffers): the module's ``torch`` name is
+  sequence-parallel gathers, DDP grad buffers, RoPE, the MoE router): the module's ``torch`` name is
   bound to ``_CPUTorch``, which is torch except that ``torch.cuda.current_device()``
   answers ``"cpu"`` (torch itself is not touched);
 - the causal masks allocated on ``device="cuda"``: CPU versions of the two functions;
+- ``moe_utils.te_general_gemm``, bound only when TransformerEngine imports: ``None``;
 - the RNG tracker (``tensor_parallel/random.py``): its states become CPU generator
   states, so ``model_parallel_cuda_manual_seed`` seeds one per TP rank (seed + 2718
   + tp_rank) and ``get_cuda_rng_tracker().fork()`` switches the CPU generator to it
