@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.training.errors import UsageError, exit_on_usage_error
 from megatron.training.global_vars import get_args
 from megatron.training.gpt_model import GPTConfig, GPTModel
 from megatron.training.initialize import print_rank_0
@@ -62,7 +63,12 @@ def forward_step(batch: dict, model: nn.Module) -> tuple[torch.Tensor, torch.Ten
 
 
 def main(argv: list[str] | None = None) -> None:
-    pretrain(model_provider, forward_step, argv)
+    """Train; a user error at start-up (``UsageError``) is printed once, without a traceback, and every rank
+    exits 1. Other exceptions are bugs and keep their traceback."""
+    try:
+        pretrain(model_provider, forward_step, argv)
+    except UsageError as error:
+        exit_on_usage_error(error)
     # Finished gloo work freed at interpreter exit can abort the process; collect it first.
     gc.collect()
     if dist.is_initialized():

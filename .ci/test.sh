@@ -1,7 +1,18 @@
 #!/usr/bin/env bash
-# The test command: lint, then the whole suite (unit, distributed on gloo, functional).
+# The test commands (README.md gives them at the top):
+#   bash .ci/test.sh                  lint, then the whole suite (unit, distributed on gloo, functional): what CI
+#                                     runs (.ci/run); about 20 minutes on 2 idle cores
+#   bash .ci/test.sh quick            lint, the unit tests, the docs' examples and claims, one distributed suite (2, 4
+#                                     ranks): a few minutes, for the edit-test loop
+#   bash .ci/test.sh [quick] ARGS...  the same with more pytest arguments (-x, -k NAME)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash .ci/setup.sh
 .venv/bin/ruff check megatron_fsdp megatron tests examples benchmarks tools pretrain_gpt.py
-.venv/bin/python -m pytest -q tests "$@"
+QUICK=(tests/unit tests/docs/test_doc_snippets.py tests/docs/test_doc_claims.py tests/distributed/core/test_fsdp2_idioms.py)
+if [ "${1:-}" = quick ]; then
+  shift
+  .venv/bin/python -m pytest -q "${QUICK[@]}" "$@"
+else
+  .venv/bin/python -m pytest -q tests "$@"
+fi

@@ -23,16 +23,16 @@ Two passes, one process:
    DDP measured in that round; the report gives the median ratio over the rounds and its
    range (min-max).
 2. **Memory**, with instrumentation, timing nothing. On CUDA, ``torch.cuda.max_memory_allocated``
-   over a step, after the timing pass. On CPU, each rank first runs the memory pass in a
-   child process started with glibc's mmap threshold fixed at 64 KiB
-   (``MALLOC_MMAP_THRESHOLD_``, which only takes full effect from process start: set
-   later with ``mallopt``, large requests are still served from heap chunks the timing
-   pass freed, and fragmentation inflates the peak), so that every freed tensor leaves
-   the resident set at once. A step's peak is the persistent state held by that
-   implementation (parameters, gradients, optimizer state counted exactly from its
-   tensors, plus megatron_fsdp's buffer pool) plus the growth of the kernel's peak-RSS
-   counter (``VmHWM``, reset through ``/proc/self/clear_refs``) during the step. The
-   children meet through a file store; their peaks come back in a JSON file.
+   over a step, after the timing pass. On CPU, the way users measure it (benchmarks/memory_rss.py,
+   which shares this file's builders): after the timing pass rank 0 launches one job per
+   implementation on as many ranks, every process started with glibc's mmap threshold fixed at
+   64 KiB (``MALLOC_MMAP_THRESHOLD_``, which only takes full effect from process start), so that
+   every freed tensor leaves the resident set at once. A step's peak is the resident set above
+   the process's after its imports, at the kernel's high-water mark (``VmHWM``, reset through
+   ``/proc/self/clear_refs``) over ``--warmup + --memory-steps`` steps, the maximum over ranks:
+   everything the process holds, whether or not a tensor can be found for it (a count of
+   tensors once missed a whole model of gradients kept alive by an alias, see
+   docs/performance.md).
 
 Bytes: megatron_fsdp counts its own collectives (``comm_stats``); FSDP2's are counted by
 wrapping ``torch.distributed``'s flat collectives in this process (measurement only);
@@ -57,12 +57,9 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 
@@ -81,7 +78,6 @@ from megatron_fsdp.memory.allocator import default_pool, pool_stats  # noqa: E40
 IMPLS = ("megatron_fsdp", "megatron_fsdp_model", "fsdp2", "ddp")
 OURS = ("megatron_fsdp", "megatron_fsdp_model")
 FLAT_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor")
-MMAP_THRESHOLD = str(1 << 16)
 fsdp2_bytes: Counter = Counter()
 
 
@@ -113,7 +109,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timing rounds (the spread is over these)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--memory-steps", type=int, default=2, help="steps per implementation in the memory pass")
-    p.add_argument("--memory-out", default=None, help=argparse.SUPPRESS)  # set for the CPU memory-pass child
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--pool", choices=("keep", "release", "off"), default="keep",
                    help="megatron_fsdp's buffer pool: keep its memory between steps (the library's default), "
@@ -130,19 +125,6 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         p.error(f"--impls: unknown implementation(s) {unknown}; choose from {', '.join(IMPLS)}")
     return args
-
-
-def peak_rss_reset() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
 
 
 def tensor_bytes(tensors) -> int:
@@ -205,20 +187,12 @@ class Impl:
             self.bytes.append(sum(p.numel() * p.element_size() for p in self.model.parameters()))
 
     def memory_step(self, tokens: torch.Tensor) -> None:
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            peak_rss_reset()
-        base_rss = 0 if cuda else rss_bytes("VmRSS")
-        persistent = self.persistent_bytes()
+        """One step measured on CUDA: the allocator's peak."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         self.train_step(tokens)
-        if cuda:
-            torch.cuda.synchronize()
-            self.peaks.append(torch.cuda.max_memory_allocated())
-        else:
-            self.peaks.append(persistent + rss_bytes("VmHWM") - base_rss)
+        torch.cuda.synchronize()
+        self.peaks.append(torch.cuda.max_memory_allocated())
 
 
 def activation_bytes(model: nn.Module, tokens: torch.Tensor) -> int:
@@ -247,18 +221,43 @@ def largest_unit_bytes(model: nn.Module) -> tuple[int, int]:
     return largest, depth
 
 
-def build(name: str, base: nn.Module, device: torch.device, args: argparse.Namespace) -> Impl:
+def init_module(module: nn.Module) -> None:
+    """Initialize one module of a meta-device GPT: its own ``reset_parameters``, then the GPT's init."""
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    GPT._init_weights(module)
+
+
+def build(name: str, base: nn.Module, device: torch.device, args: argparse.Namespace,
+          copy_model: bool = True) -> Impl:
+    """Shard (a copy of, unless ``copy_model`` is False) ``base`` as ``name`` does and make its optimizer.
+
+    A ``base`` on the meta device (``args.meta``) is materialized after sharding the way each
+    library's users do: ours by ``materialize_meta`` (one module's full weights at a time),
+    FSDP2 by ``to_empty`` and the model's own initialization; DDP takes the model whole.
+    """
     options = megatron_fsdp.EngineOptions(buffer_pool=args.pool != "off", gloo_fast_paths=args.gloo_paths == "on")
     if args.reduces_in_flight is not None:
         options = dataclasses.replace(options, max_reduces_in_flight=args.reduces_in_flight)
-    model = copy.deepcopy(base).to(device)
+    meta = getattr(args, "meta", False)
+    model = copy.deepcopy(base) if copy_model else base
+    if meta and name == "ddp":
+        model = model.to_empty(device=device)
+        with torch.no_grad():
+            model.apply(init_module)
+    elif not meta:
+        model = model.to(device)
     if name == "megatron_fsdp":
         for block in model.blocks:
             megatron_fsdp.fully_shard(block)
         megatron_fsdp.fully_shard(model, options=options)  # handed down to the blocks' units
+        if meta:
+            megatron_fsdp.materialize_meta(model, init_fn=init_module)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     elif name == "megatron_fsdp_model":
         model = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[Block], options=options)
+        if meta:
+            megatron_fsdp.materialize_meta(model, init_fn=init_module)
         optimizer = megatron_fsdp.fully_shard_optimizer(
             torch.optim.AdamW(model.parameters(), lr=1e-4), step_on_local_shards=args.local_step == "on")
     elif name == "fsdp2":
@@ -267,6 +266,10 @@ def build(name: str, base: nn.Module, device: torch.device, args: argparse.Names
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
+        if meta:
+            model.to_empty(device=device)
+            with torch.no_grad():
+                model.apply(init_module)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -274,30 +277,22 @@ def build(name: str, base: nn.Module, device: torch.device, args: argparse.Names
     return Impl(name, model, optimizer, device)
 
 
-def cpu_memory_pass(argv: list[str]) -> dict:
-    """Run the memory pass in a child of this rank with the mmap threshold fixed; its results."""
-    job = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}_{os.environ['MASTER_PORT']}"
-    rank = int(os.environ["RANK"])
-    out = os.path.join(tempfile.gettempdir(), f"compare_memory_{job}_rank{rank}.json")
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD,
-               COMPARE_STORE=os.path.join(tempfile.gettempdir(), f"compare_store_{job}"))
-    subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--memory-out", out], env=env, check=True)
-    with open(out) as f:
-        result = json.load(f)
-    os.remove(out)
-    return result
+def cpu_memory_pass(args: argparse.Namespace, names: list[str], world: int) -> dict[str, list[int]]:
+    """Rank 0: one memory_rss job per implementation (one implementation per process); each one's step peak."""
+    from memory_rss import launch, passthrough_args
+
+    job = argparse.Namespace(**dict(vars(args), nproc=world, steps=args.warmup + args.memory_steps, meta=False))
+    peaks = {}
+    for name in names:
+        figures = launch(name, job, passthrough_args(job))
+        peaks[name] = [figures["start"] + figures["step_peak"]]
+    return peaks
 
 
 def main() -> None:
     args = parse_args()
     cuda = torch.cuda.is_available()
-    memory_child = args.memory_out is not None
-    memory = cpu_memory_pass(sys.argv[1:]) if not cuda and not memory_child else None
-    if memory_child:  # ranks meet through a file store: the launcher's store belongs to the parent
-        dist.init_process_group("gloo", init_method=f"file://{os.environ['COMPARE_STORE']}",
-                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    else:
-        dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
@@ -316,12 +311,6 @@ def main() -> None:
     def batch() -> torch.Tensor:
         return torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(device)
 
-    if memory_child:
-        run_memory_pass(impls, args, batch)
-        with open(args.memory_out, "w") as f:
-            json.dump({i.name: {"peaks": i.peaks, "sharded_state": i.sharded_state} for i in impls}, f)
-        dist.destroy_process_group()
-        return
     load = [os.getloadavg()[0]]
     for _ in range(args.warmup):
         tokens = batch()
@@ -336,11 +325,13 @@ def main() -> None:
                 impl.timed_step(tokens, record=True)
         load.append(os.getloadavg()[0])
 
-    if memory is None:
+    if cuda:
         run_memory_pass(impls, args, batch)
     else:
+        memory = [cpu_memory_pass(args, [i.name for i in impls], world) if rank == 0 else None]
+        dist.broadcast_object_list(memory, src=0)
         for impl in impls:
-            impl.peaks = memory[impl.name]["peaks"]
+            impl.peaks = memory[0][impl.name]
     report(impls, args, n_params, world, rank, device, load)
     ours = [impl for impl in impls if impl.name in OURS]
     if ours:  # both of our paths build the same units: one floor

@@ -10,12 +10,16 @@ data-parallel world size, so it runs after ``torch.distributed`` is up.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
+import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from megatron_fsdp.sharding.strategy import OUTER_STRATEGY_NAMES, STRATEGY_NAMES
 
 from .datasets.builder import parse_split
+from .errors import UsageValueError, print_once
 from .mcore_model import choose_model_provider
 from .moe_arguments import add_moe_args, validate_moe_args
 from .tokenizer import TOKENIZER_TYPES
@@ -59,6 +63,12 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--override-opt_param-scheduler", action="store_true", dest="override_opt_param_scheduler",
+                   help="at --load: take the learning-rate schedule (--lr, --min-lr, --lr-warmup-iters, "
+                        "--lr-decay-iters, --lr-decay-style) from these flags, not from the checkpoint")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   dest="use_checkpoint_opt_param_scheduler",
+                   help="at --load: take the learning-rate schedule from the checkpoint, ignoring these flags")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -137,8 +147,36 @@ def _fsdp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse for a job every rank of which parses the same flags: rank 0 alone prints the usage and
+    the error (every rank exits 2), and an unknown flag gets the nearest known one as a suggestion."""
+
+    def error(self, message: str) -> NoReturn:
+        message = _suggest(message, list(self._option_string_actions))
+        error = f"{self.prog}: error: {message}\n"
+        print_once(self.format_usage() + error, report=error)
+        sys.exit(2)
+
+
+_UNRECOGNIZED = "unrecognized arguments: "
+
+
+def _suggest(message: str, known: list[str]) -> str:
+    """argparse's message, with "did you mean" for each unrecognized flag that is close to a known one."""
+    if not message.startswith(_UNRECOGNIZED):
+        return message
+    hints = []
+    for token in message[len(_UNRECOGNIZED):].split():
+        flag = token.split("=", 1)[0]
+        if flag.startswith("--"):
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{flag}: did you mean {close[0]}?")
+    return message + "".join(f"\n  {hint}" for hint in hints)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         description="Megatron-style GPT pre-training on megatron_fsdp (see docs/megatron.md)",
         allow_abbrev=False,
     )
@@ -152,8 +190,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-class ArgumentError(ValueError):
-    """A flag combination Megatron would reject."""
+class ArgumentError(UsageValueError):
+    """A flag combination Megatron would reject (a ``ValueError``; printed once, without a traceback)."""
 
 
 def _fail(message: str) -> None:

@@ -171,7 +171,8 @@ def build_backend(
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = model_provider(pre_process=True, post_process=True)
     n_params = sum(p.numel() for p in model.parameters())
-    print_rank_0(f" > number of parameters on (data-parallel) rank 0: {n_params}")
+    # Megatron's line: this (TP rank 0) slice; the start-up summary gives the whole model's count.
+    print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): {n_params}")
     if not args.use_megatron_fsdp:
         model.to(device)
         wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,

@@ -10,10 +10,14 @@ What is refused, and why (docs/megatron.md, "Checkpoints"):
 
 - ``--load DIR`` naming no checkpoint, unless ``--allow-fresh-start``: a mistyped
   path would otherwise train from scratch and, with ``--save`` to a real
-  checkpoint directory, overwrite it;
+  checkpoint directory, overwrite it (``--load DIR/iter_0000060``, one iteration's
+  directory, loads that iteration, as the checkpoint CLI accepts it);
 - a run whose saves would move ``--save``'s tracker back to an earlier iteration;
 - a checkpoint saved with other model arguments (``MODEL_ARGS``), unless
   ``--finetune`` or ``--no-load-args-check``: equal shapes would load silently;
+- a checkpoint whose learning-rate schedule differs from the flags, unless
+  ``--override-opt_param-scheduler`` or ``--use-checkpoint-opt_param-scheduler``
+  (Megatron-LM's rule, ``optimizer_param_scheduler.py``);
 - a checkpoint missing a part (``extra.pt`` holds the data position) or with a
   damaged file (the library checks its SHA-256 manifest).
 """
@@ -24,6 +28,7 @@ import argparse
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,9 +42,10 @@ from megatron_fsdp.checkpoint import (
     read_latest_iteration,
     save_checkpoint,
 )
-from megatron_fsdp.checkpoint.sharded_io import run_on_first
+from megatron_fsdp.checkpoint.sharded_io import is_checkpoint_dir, run_on_first
 
 from .config import RunState
+from .errors import UsageFileNotFoundError, UsageValueError
 from .initialize import print_rank_0
 from .optimizer_param_scheduler import OptimizerParamScheduler
 from .parallel_state import ParallelLayout
@@ -127,7 +133,7 @@ def check_save_target(args: argparse.Namespace, iteration: int) -> None:
             return
         latest = read_latest_iteration(args.save)
         if latest > iteration:
-            raise ValueError(
+            raise UsageValueError(
                 f"--save {args.save} already holds a checkpoint of iteration {latest} ({TRACKER_FILE}) and this run "
                 f"starts at iteration {iteration}: its saves would move the tracker back and replace those "
                 f"checkpoints. Resume it with --load {args.save}, or save into another directory"
@@ -136,22 +142,45 @@ def check_save_target(args: argparse.Namespace, iteration: int) -> None:
     run_on_first(check, None)
 
 
-def _locate(args: argparse.Namespace) -> str | None:
-    """None to load ``--load``; else the message of a fresh start (with --allow-fresh-start). Raises otherwise."""
+_ITERATION_DIR = re.compile(r"iter_(\d+)")
+
+
+@dataclass(frozen=True)
+class _Located:
+    """What ``--load`` names: a save directory and the iteration to load (None: its tracker's), or a fresh start."""
+
+    directory: str
+    iteration: int | None = None
+    fresh_start: str | None = None  # the warning of a fresh start (--allow-fresh-start)
+
+
+def _locate(args: argparse.Namespace) -> _Located:
+    """Where to load from; a fresh start with --allow-fresh-start when nothing is there. Raises otherwise."""
     tracker = os.path.join(args.load, TRACKER_FILE)
     if os.path.isfile(tracker):
-        return None
+        return _Located(args.load)
+    path = os.path.normpath(args.load)
+    named = _ITERATION_DIR.fullmatch(os.path.basename(path))
+    if named and is_checkpoint_dir(path):  # DIR/iter_0000060: that iteration of DIR
+        return _Located(os.path.dirname(path), int(named.group(1)))
     iters = sorted(e for e in os.listdir(args.load) if e.startswith("iter_")) if os.path.isdir(args.load) else []
     if iters:
-        raise FileNotFoundError(
+        raise UsageFileNotFoundError(
             f"--load {args.load} holds {', '.join(iters[:5])}{' ...' if len(iters) > 5 else ''} but no {TRACKER_FILE}"
             f" saying which to resume: write the iteration into {tracker} (e.g. echo {iters[-1][5:].lstrip('0') or 0}"
             f" > {tracker})"
         )
+    if named:
+        where = "is not a complete checkpoint (no .metadata file)" if os.path.isdir(path) else "does not exist"
+        raise UsageFileNotFoundError(
+            f"--load {args.load} {where}. Give the save directory ({os.path.dirname(path)}) to load the iteration "
+            f"its {TRACKER_FILE} names, or the directory of a complete iteration"
+        )
     where = "does not exist" if not os.path.exists(args.load) else f"holds no checkpoint (no {TRACKER_FILE})"
     if args.allow_fresh_start:
-        return f"WARNING: --load {args.load} {where}; training from scratch (--allow-fresh-start)"
-    raise FileNotFoundError(
+        return _Located(args.load, fresh_start=f"WARNING: --load {args.load} {where}; training from scratch "
+                                               "(--allow-fresh-start)")
+    raise UsageFileNotFoundError(
         f"--load {args.load} {where}. Check the path; to train from scratch when no checkpoint exists yet (e.g. "
         "--load and --save of the same directory, resuming automatically after the first save), pass "
         "--allow-fresh-start"
@@ -169,14 +198,17 @@ def _padding_hint(saved: dict[str, Any], args: argparse.Namespace) -> str:
             "layouts pad to the same size (train and resume with it). ")
 
 
-def _check_extra(args: argparse.Namespace) -> Callable[[dict[str, Any]], None]:
-    """The ``check_extra`` of ``load_checkpoint``: model arguments agree, and a resume has its data position."""
+def _check_extra(
+    args: argparse.Namespace, scheduler: OptimizerParamScheduler | None = None
+) -> Callable[[dict[str, Any]], None]:
+    """The ``check_extra`` of ``load_checkpoint``: model arguments and the LR schedule (``scheduler``'s) agree,
+    and a resume has its data position (before any tensor is read)."""
 
     def check(extra: dict[str, Any]) -> None:
         if not (args.finetune or args.no_load_args_check) and isinstance(extra.get("args"), dict):
             differ = model_args_mismatch(extra["args"], args)
             if differ:
-                raise ValueError(
+                raise UsageValueError(
                     f"--load {args.load}: the checkpoint was saved with other model arguments: {'; '.join(differ)}. "
                     f"{_padding_hint(extra['args'], args)}Pass the saved values, or --no-load-args-check (or "
                     "--finetune) to load its weights into this model anyway"
@@ -188,6 +220,8 @@ def _check_extra(args: argparse.Namespace) -> Callable[[dict[str, Any]], None]:
                 "and data position pretrain_gpt.py saves); resuming without them would replay data from the "
                 "start. Load it with --finetune to take only the weights"
             )
+        if scheduler is not None and not (args.finetune or args.no_load_optim):
+            scheduler.check_state_dict(extra["scheduler"], f"--load {args.load}")
 
     return check
 
@@ -198,17 +232,18 @@ def load(args: argparse.Namespace, module: nn.Module, optimizer: torch.optim.Opt
 
     A fresh start (``--allow-fresh-start``) and ``--finetune`` start at iteration 0 with no data consumed.
     """
-    fresh = run_on_first(lambda: _locate(args), None)
-    if fresh is not None:
-        print_rank_0(fresh)
+    located = run_on_first(lambda: _locate(args), None)
+    if located.fresh_start is not None:
+        print_rank_0(located.fresh_start)
         return RunState()
     finetune = args.finetune
     loaded = load_checkpoint(
-        args.load, module, None if (finetune or args.no_load_optim) else optimizer,
+        located.directory, module, None if (finetune or args.no_load_optim) else optimizer,
+        iteration=located.iteration,
         load_optimizer=not (finetune or args.no_load_optim), load_rng=not (finetune or args.no_load_rng),
-        check_extra=_check_extra(args), model_parallel=model_parallel(args, layout),
+        check_extra=_check_extra(args, scheduler), model_parallel=model_parallel(args, layout),
     )
-    print_rank_0(f"  successfully loaded checkpoint from {args.load} at iteration {loaded.iteration}")
+    print_rank_0(f"  successfully loaded checkpoint from {located.directory} at iteration {loaded.iteration}")
     warning = restore_tracker_states(mcore_rng_tracker(), loaded.extra, rng_restored=loaded.rng_restored,
                                      where=f"--load {args.load}")
     if warning is not None:

@@ -10,6 +10,8 @@ import random
 import torch
 import torch.distributed as dist
 
+from .errors import UsageRuntimeError
+
 
 def initialize_distributed(args: argparse.Namespace) -> torch.device:
     """Join the torchrun process group (NCCL on CUDA, gloo on CPU unless told) and pick the device.
@@ -21,7 +23,7 @@ def initialize_distributed(args: argparse.Namespace) -> torch.device:
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError("--distributed-backend nccl needs CUDA, and no CUDA device is available")
+        raise UsageRuntimeError("--distributed-backend nccl needs CUDA, and no CUDA device is available")
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             # A plain `python pretrain_gpt.py`: one process, as torchrun would set it up.
@@ -65,7 +67,7 @@ def check_save_dir(path: str) -> None:
         dist.all_gather_object(errors, error)
     for rank, message in enumerate(errors):
         if message is not None:
-            raise RuntimeError(
+            raise UsageRuntimeError(
                 f"--save {path} cannot hold checkpoints (rank {rank}: {message}); give a directory this job "
                 "can create and write to"
             )

@@ -19,6 +19,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from .errors import UsageValueError
+
 TOKENIZER_TYPES = ("NullTokenizer", "ByteTokenizer", "HuggingFaceTokenizer")
 
 
@@ -26,8 +28,15 @@ class NullTokenizer:
     """Megatron's ``_NullTokenizer``: the text already is the ids."""
 
     def __init__(self, vocab_size: int) -> None:
-        if vocab_size is None or int(vocab_size) < 1:
-            raise ValueError(f"--tokenizer-type NullTokenizer requires --vocab-size >= 1, got {vocab_size}")
+        if vocab_size is None:
+            raise UsageValueError(
+                "give --vocab-size N: the number of token ids (--mock-data draws ids below N; the ids in --data-path "
+                "files must be below N). The default --tokenizer-type NullTokenizer (text is ids) requires "
+                "--vocab-size; --tokenizer-type ByteTokenizer, or HuggingFaceTokenizer with --tokenizer-model, "
+                "bring their own vocabulary"
+            )
+        if int(vocab_size) < 1:
+            raise UsageValueError(f"--tokenizer-type NullTokenizer requires --vocab-size >= 1, got {vocab_size}")
         self._text_vocab_size = int(vocab_size)
 
     @property

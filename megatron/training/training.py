@@ -11,6 +11,7 @@ The flags namespace is not written after that; what the run advances lives in a
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -22,11 +23,13 @@ from .arguments import parse_args, validate_args
 from .backends import build_backend
 from .config import RunState, TrainingConfig, freeze_args
 from .data_loader import build_train_valid_test_data_iterators, check_data_files
+from .errors import UsageValueError
 from .global_vars import set_args
 from .initialize import check_save_dir, initialize_distributed, print_rank_0, set_random_seed
 from .model_setup import build_adamw, pad_vocab_size
 from .optimizer_param_scheduler import OptimizerParamScheduler
 from .parallel_state import build_layout, set_context_parallel, set_expert_parallel, set_tensor_parallel
+from .summary import end_of_run_summary, startup_summary
 from .trainer import ForwardStep, Trainer, TrainingResult
 
 __all__ = ["ForwardStep", "TrainingResult", "pretrain"]
@@ -60,8 +63,14 @@ def pretrain(
     scheduler = OptimizerParamScheduler(
         optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
         decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
     state = checkpointing.load(args, backend.module, optimizer, scheduler, layout) if args.load else RunState()
+    if state.iteration >= args.train_iters:
+        print_rank_0(f"--load {args.load} is at iteration {state.iteration} and --train-iters is {args.train_iters}: "
+                     "nothing to train. To train further, raise --train-iters (see docs/megatron.md, Resuming)")
+        return TrainingResult(iteration=state.iteration)
     checkpointing.check_save_target(args, state.iteration)  # before training, not at the first save
     train_iter, valid_iter, _ = build_train_valid_test_data_iterators(
         args, layout.dp_rank, layout.dp_size, consumed_train_samples=state.consumed_train_samples,
@@ -69,12 +78,20 @@ def pretrain(
     )
     _check_splits(args, train_iter, valid_iter, state.iteration)
     writer = _tensorboard_writer(args, dist.get_rank(), dist.get_world_size())
+    print_rank_0(startup_summary(args, layout, backend.module, state.iteration))
+    start_iteration, start_samples, started = state.iteration, state.consumed_train_samples, time.perf_counter()
     try:
         trainer = Trainer(args, config, backend, optimizer, scheduler, forward_step, state, writer)
-        return trainer.train(train_iter, valid_iter)
+        result = trainer.train(train_iter, valid_iter)
     finally:
         if writer is not None:
             writer.close()
+    print_rank_0(end_of_run_summary(
+        args, start_iteration=start_iteration, iteration=state.iteration,
+        samples=state.consumed_train_samples - start_samples, seconds=time.perf_counter() - started,
+        final_loss=result.losses.get(state.iteration), saved=bool(args.save) and state.iteration > start_iteration,
+    ))
+    return result
 
 
 def _data_description(args: argparse.Namespace) -> str:
@@ -84,7 +101,7 @@ def _data_description(args: argparse.Namespace) -> str:
 def _check_splits(args: argparse.Namespace, train_iter, valid_iter, iteration: int) -> None:
     """An empty train split is an error naming --split; an empty validation split with --eval-interval a warning."""
     if train_iter is None and iteration < args.train_iters:
-        raise ValueError(
+        raise UsageValueError(
             f"--split {args.split} leaves the train split of {_data_description(args)} without documents: "
             "nothing to train on. Give the first (train) weight of --split a larger share, e.g. --split 969,30,1, "
             "or use a dataset with more documents"

@@ -61,6 +61,7 @@ class RootState:
             for unit in self.units:
                 unit.mark_weights_stale()
         self._forward_without_backward = False
+        self._release_dropped_grads()
         # reshard_after_forward=N: this forward's gathers store the post-forward shard,
         # decided here once for every rank alike (core/post_forward_shard.py).
         keep = torch.is_grad_enabled()
@@ -97,7 +98,19 @@ class RootState:
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(self.finish_backward)
             self._callback_queued = True
+            self._release_dropped_grads()
             self.schedule.begin_backward()
+
+    def _release_dropped_grads(self) -> None:
+        """Drop the sharded ``main_grad`` aliases of gradients ``zero_grad()`` set to None.
+
+        A plain torch optimizer's ``zero_grad(set_to_none=True)`` cannot know of the alias, which
+        would otherwise keep last step's sharded gradients (a whole model's worth) alive through
+        this step's forward and backward, on top of its peak (docs/performance.md).
+        """
+        for unit in self.units:
+            for group in unit.groups:
+                group.sync_sharded_main_grads()
 
     def track(self, reduce: PendingReduce | None) -> None:
         """Keep a reduction in flight, finishing the oldest beyond the limit.

@@ -2,7 +2,11 @@
 
 The cases run the real ``pretrain`` one after another in one spawned 2-rank gloo group
 (every failure here is raised on both ranks at the same point, so the group survives
-it); between cases rank 0 damages or copies checkpoint directories.
+it); between cases rank 0 damages or copies checkpoint directories. The learning-rate
+schedule follows Megatron-LM's rule at resume: the save plans its decay over 6 iterations
+(``--lr-decay-iters 6``) so that resuming to ``--train-iters 6`` keeps the same schedule;
+a resume with other schedule flags is refused unless one of the two override flags says
+which schedule wins.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ import contextlib
 import datetime
 import io
 import json
+import math
 import os
+import re
 import shutil
 import traceback
 
@@ -44,8 +50,10 @@ def _cases(tmp: str) -> list[tuple[str, list[str], object]]:
             f.write(b"\x00" * 256)
 
     resume = [*TINY, "--load", save, "--train-iters", "6"]
+    changed = [*resume, "--lr", "3e-3", "--lr-decay-style", "cosine"]
     return [
-        ("save", [*TINY, "--train-iters", "4", "--save", save, "--save-interval", "2"], None),
+        ("save", [*TINY, "--train-iters", "4", "--lr-decay-iters", "6", "--save", save, "--save-interval", "2"],
+         None),
         ("load_wrong_path", [*TINY, "--train-iters", "6", "--load", wrong, "--save", save], None),
         ("load_wrong_path_fresh", [*TINY, "--train-iters", "1", "--load", wrong, "--allow-fresh-start"], None),
         ("save_behind_tracker", [*TINY, "--train-iters", "2", "--save", save], None),
@@ -56,6 +64,14 @@ def _cases(tmp: str) -> list[tuple[str, list[str], object]]:
          copy_without("no_extra", "extra.pt")),
         ("damaged_shard", [*TINY, "--train-iters", "6", "--load", os.path.join(tmp, "damaged")], copy_and_damage),
         ("resume", resume, None),
+        ("schedule_changed", changed, None),
+        ("schedule_changed_override", [*changed, "--override-opt_param-scheduler"], None),
+        ("schedule_changed_use_checkpoint", [*changed, "--use-checkpoint-opt_param-scheduler"], None),
+        ("finished", [*TINY, "--load", save, "--train-iters", "4", "--lr-decay-iters", "6"], None),
+        ("iteration_dir", [*TINY, "--load", os.path.join(save, "iter_0000002"), "--train-iters", "4",
+                           "--lr-decay-iters", "6"], None),
+        ("iteration_dir_missing", [*TINY, "--load", os.path.join(save, "iter_0000003"), "--train-iters", "4"],
+         None),
     ]
 
 
@@ -76,7 +92,7 @@ def _worker(rank: int, port: int, tmp: str) -> None:
         try:
             with contextlib.redirect_stdout(log):
                 run = pretrain(model_provider, forward_step, argv)
-            results[name] = {"losses": {str(k): v for k, v in run.losses.items()}}
+            results[name] = {"losses": {str(k): v for k, v in run.losses.items()}, "iteration": run.iteration}
         except Exception as error:
             results[name] = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
         results[name]["log"] = log.getvalue()
@@ -133,3 +149,42 @@ def test_missing_or_damaged_parts_are_errors_naming_the_file(runs):
 def test_resume_continues_data_position(runs):
     assert _trained(runs, "resume") == [5, 6]
     assert "| consumed samples:           40 |" in runs[0]["resume"]["log"], runs[0]["resume"]["log"]
+
+
+def _learning_rates(log: str) -> list[float]:
+    return [float(x) for x in re.findall(r"learning rate: ([0-9.E+-]+) \|", log)]
+
+
+def test_a_changed_schedule_is_refused_unless_a_flag_says_which_wins(runs):
+    error = error_on_every_rank(runs, "schedule_changed")
+    assert error.startswith("UsageValueError: --load "), error
+    assert "--lr 0.001 (saved) vs 0.003 (now)" in error and "--lr-decay-style linear (saved) vs cosine (now)" in error
+    assert "--override-opt_param-scheduler" in error and "--use-checkpoint-opt_param-scheduler" in error
+    # override: this run's schedule (cosine from 3e-3 to 0 over 6), at the checkpoint's step
+    assert _trained(runs, "schedule_changed_override") == [5, 6]
+    cosine = [3e-3 * 0.5 * (math.cos(math.pi * step / 6) + 1) for step in (5, 6)]
+    assert _learning_rates(runs[0]["schedule_changed_override"]["log"]) == pytest.approx(cosine, rel=1e-6, abs=1e-12)
+    # use-checkpoint: the saved schedule (linear from 1e-3 to 0 over 6) continues; the flags are ignored
+    assert _trained(runs, "schedule_changed_use_checkpoint") == [5, 6]
+    linear = [1e-3 * (1 - step / 6) for step in (5, 6)]
+    log = runs[0]["schedule_changed_use_checkpoint"]["log"]
+    assert _learning_rates(log) == pytest.approx(linear, rel=1e-6, abs=1e-12)
+
+
+def test_a_resume_with_nothing_left_to_train_says_so(runs):
+    run = runs[0]["finished"]
+    assert "error" not in run and run["iteration"] == 4 and run["losses"] == {}, run
+    lines = [line for line in run["log"].splitlines() if "nothing to train" in line]
+    assert len(lines) == 1 and re.fullmatch(
+        r"--load \S+/run is at iteration 4 and --train-iters is 4: nothing to train\. To train further, raise "
+        r"--train-iters \(see docs/megatron\.md, Resuming\)", lines[0]), run["log"]
+
+
+def test_load_of_an_iteration_directory_loads_that_iteration(runs):
+    """--load DIR/iter_0000002 resumes at 2 and retraces the saving run's iterations 3 and 4, bitwise."""
+    assert _trained(runs, "iteration_dir") == [3, 4]
+    assert "successfully loaded checkpoint from" in runs[0]["iteration_dir"]["log"]
+    for it in ("3", "4"):
+        assert runs[0]["iteration_dir"]["losses"][it] == runs[0]["save"]["losses"][it]
+    error = error_on_every_rank(runs, "iteration_dir_missing")
+    assert "iter_0000003 does not exist" in error and "Give the save directory" in error, error

@@ -239,7 +239,10 @@ def main_grad_follows_zero_grad() -> None:
         assert getattr(param, "main_grad", None) is param.grad, f"{name}: main_grad is not .grad after backward"
     opt.step()
     opt.zero_grad()
-    model(x, False).sum().backward()
+    loss = model(x, False).sum()
+    for name, param in model.named_parameters():  # nothing holds last step's gradients through this step
+        assert getattr(param, "main_grad", None) is None, f"{name}: main_grad kept after zero_grad"
+    loss.backward()
     for name, param in model.named_parameters():
         if name.startswith("b."):
             assert param.grad is None and getattr(param, "main_grad", None) is None, f"{name}: stale main_grad"

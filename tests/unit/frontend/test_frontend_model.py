@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron.training.errors import UsageValueError
 from megatron.training.gpt_model import GPTConfig, GPTModel, TransformerLayer
 from megatron.training.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -92,6 +93,33 @@ def test_schedule(style):
     resumed = OptimizerParamScheduler(opt, max_lr=1.0, min_lr=0.1, warmup_steps=2, decay_steps=10, decay_style=style)
     resumed.load_state_dict(sched.state_dict())
     assert opt.param_groups[0]["lr"] == lrs[-1]
+
+
+def test_schedule_at_load_follows_megatron_lm_rule():
+    """A checkpoint's other schedule is refused unless --override-opt_param-scheduler (the flags win) or
+    --use-checkpoint-opt_param-scheduler (the checkpoint wins); both at once contradict each other."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+
+    def sched(decay_steps: int, **flags) -> OptimizerParamScheduler:
+        return OptimizerParamScheduler(opt, max_lr=1e-3, min_lr=0.0, warmup_steps=0, decay_steps=decay_steps,
+                                       decay_style="linear", **flags)
+
+    saved = sched(4)
+    saved.step()
+    saved.step()
+    state = saved.state_dict()
+    with pytest.raises(UsageValueError, match=r"--lr-decay-iters \(default --train-iters\) 4 \(saved\) vs 6 \(now\)"):
+        sched(6).load_state_dict(state)
+    override = sched(6, override_opt_param_scheduler=True)
+    override.load_state_dict(state)
+    assert (override.num_steps, override.decay_steps) == (2, 6)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * (1 - 2 / 6))
+    use_checkpoint = sched(6, use_checkpoint_opt_param_scheduler=True)
+    use_checkpoint.load_state_dict(state)
+    assert (use_checkpoint.num_steps, use_checkpoint.decay_steps) == (2, 4)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * (1 - 2 / 4))
+    with pytest.raises(UsageValueError, match="contradict each other"):
+        sched(6, override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True)
 
 
 def test_mcore_provider_builds_megatron_core_gpt(nccl_group):

@@ -57,6 +57,11 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], object]]:
         "save_is_a_file": ([*TINY, "--ckpt-format", "fsdp_dtensor", "--save", os.path.join(tmp, "file")], None),
         "ids_beyond_vocab": ([*data, "--data-path", os.path.join(tmp, "wide")], None),
         "truncated_bin": ([*data, "--data-path", os.path.join(tmp, "cut")], None),
+        # the same model at TP 1 and TP 2 (both pad the vocabulary to 64): one whole-model parameter count
+        "vocab32": ([*TINY, "--make-vocab-size-divisible-by", "32", "--train-iters", "1"], None),
+        "vocab32_tp2": ([*TINY, "--make-vocab-size-divisible-by", "32", "--train-iters", "1",
+                         "--tensor-model-parallel-size", "2"], None),
+        "no_vocab_size": ([a for a in TINY if a not in ("--vocab-size", "60")], None),
     }
 
 
@@ -210,3 +215,56 @@ def test_cli_exit_code_when_every_iteration_is_skipped():
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0, done.stdout
     assert "NonFiniteLossError: all 2 iterations (1 to 2) were skipped" in done.stderr, done.stderr[-3000:]
+
+
+def _line(log: str, start: str) -> str:
+    lines = [line for line in log.splitlines() if line.startswith(start)]
+    assert len(lines) == 1, (start, log)
+    return lines[0]
+
+
+def _kib(figure: str) -> float:
+    number, unit = figure.split()
+    return float(number) * {"KiB": 1, "MiB": 1024, "GiB": 1 << 20}[unit]
+
+
+def test_startup_and_end_of_run_summaries(runs):
+    log, run = runs[0]["healthy"]["log"], runs[0]["healthy"]
+    assert _line(log, "world size:") == "world size: 2 = data-parallel 2 x context-parallel 1 x tensor-parallel 1"
+    assert _line(log, "mesh:") == "mesh: (dp_shard=2, cp=1, tp=1)"
+    assert _line(log, "data parallelism:") == "data parallelism: megatron_fsdp optim_grads_params (ZeRO-3) over 2 ranks"
+    assert _line(log, "batch:") == ("batch: global 8 = micro-batch 2 x data-parallel 2 x 2 micro-batches per step; "
+                                    "sequence length 16")
+    slice_count = int(_line(log, " > number of parameters on").rsplit(":", 1)[1])
+    params = _line(log, "parameters:")
+    assert params == f"parameters: {slice_count:,} (the whole model); weights fp32"  # TP 1: the slice is all
+    # ZeRO-3 in fp32 on 2 ranks: half the weights, gradients and two Adam states each, 4 bytes, plus padding
+    memory = re.fullmatch(r"memory estimate per rank \(megatron_fsdp\.plan; activations not included\): "
+                          r"(\S+ \S+) between steps \(weights (\S+ \S+) \+ gradients (\S+ \S+) \+ Adam state "
+                          r"(\S+ \S+)\); gathered weights in forward/backward (\S+ \S+)",
+                          _line(log, "memory estimate"))
+    assert memory, _line(log, "memory estimate")
+    resident, weights, grads, adam, _ = (_kib(g) for g in memory.groups())
+    half = slice_count / 2 * 4 / 1024
+    assert half <= weights < 1.05 * half and half <= grads < 1.05 * half and 2 * half <= adam < 1.05 * 2 * half
+    assert abs(resident - (weights + grads + adam)) < 0.2
+    assert _line(log, "training 4 iterations") == "training 4 iterations; checkpoints: none (no --save)"
+    end, loss = _line(log, "end of training:"), re.escape(f"{run['losses']['4']:.6E}")
+    assert re.fullmatch(r"end of training: 4 iterations \(1 to 4\) \| 32 samples, 512 tokens \| [0-9.]+ s \| "
+                        rf"final lm loss: {loss} \| checkpoint: none \(no --save\)", end), end
+    assert "set-up" not in runs[1]["healthy"]["log"] and "end of training" not in runs[1]["healthy"]["log"]
+
+
+def test_whole_model_parameter_count_does_not_depend_on_tensor_parallelism(runs):
+    tp1, tp2 = runs[0]["vocab32"]["log"], runs[0]["vocab32_tp2"]["log"]
+    whole = _line(tp1, "parameters:").split()[1]
+    assert _line(tp2, "parameters:").split()[1] == whole
+    assert "(the whole model, over every tensor-/expert-parallel slice)" in _line(tp2, "parameters:")
+    assert int(_line(tp2, " > number of parameters on").rsplit(":", 1)[1]) < int(whole.replace(",", ""))
+    assert _line(tp2, "world size:") == "world size: 2 = data-parallel 1 x context-parallel 1 x tensor-parallel 2"
+    assert "x 4 micro-batches per step" in _line(tp2, "batch:")
+
+
+def test_missing_vocab_size_names_the_flag(runs):
+    error = error_on_every_rank(runs, "no_vocab_size")
+    assert error.startswith("UsageValueError: give --vocab-size N: the number of token ids"), error
