@@ -18,6 +18,7 @@ from torch import nn
 from megatron.training.errors import UsageError, exit_on_usage_error
 from megatron.training.global_vars import get_args
 from megatron.training.gpt_model import GPTConfig, GPTModel
+from megatron.training.initialize import print_rank_0
 from megatron.training.megatron_flags import moe_layer_pattern
 from megatron.training.parallel_state import get_context_parallel, get_expert_parallel, get_tensor_parallel
 from megatron.training.training import pretrain
@@ -25,12 +26,19 @@ from megatron_fsdp.parallel.moe import set_aux_loss_scale
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True) -> nn.Module:
-    """The GPT the flags describe: plain PyTorch (``--model-provider gpt``) or megatron-core's (``mcore``)."""
+    """The GPT the flags describe: megatron-core's ``GPTModel`` or the project's own (``--model-provider``).
+
+    ``validate_args`` resolved ``--model-provider auto`` into ``args.model_provider``
+    and the reason, which the start-up line prints.
+    """
     args = get_args()
     if args.model_provider == "mcore":
-        from megatron.training.mcore_model import mcore_gpt_model
+        from megatron.training.mcore_model import describe_mcore_model, mcore_gpt_model
 
-        return mcore_gpt_model(args, pre_process, post_process)
+        model = mcore_gpt_model(args, pre_process, post_process)
+        print_rank_0(f"building {describe_mcore_model(model.config)}: {args.model_provider_reason}")
+        return model
+    print_rank_0(f"building the project's own GPT (megatron/training/gpt_model.py): {args.model_provider_reason}")
     model = GPTModel(GPTConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,

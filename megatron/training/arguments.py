@@ -21,11 +21,13 @@ from megatron_fsdp.sharding.strategy import OUTER_STRATEGY_NAMES, STRATEGY_NAMES
 from .datasets.builder import parse_split
 from .errors import UsageValueError, print_once
 from .initialize import print_rank_0
+from .mcore_model import choose_model_provider
 from .megatron_flags import (
     CKPT_FORMATS,
     LR_DECAY_STYLES,
     POSITION_EMBEDDING_TYPES,
     add_megatron_compat_args,
+    default_transformer_impl,
     validate_megatron_compat_args,
 )
 from .moe_arguments import add_moe_args, validate_moe_args
@@ -36,8 +38,10 @@ STRATEGIES = STRATEGY_NAMES
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model-provider", choices=("gpt", "mcore"), default="gpt",
-                   help="gpt: the plain-PyTorch GPT of megatron/training; mcore: megatron-core's GPTModel (CUDA)")
+    g.add_argument("--model-provider", choices=("auto", "mcore", "gpt"), default="auto",
+                   help="auto: megatron-core's GPTModel when megatron-core is installed and can run the "
+                        "configuration, else the project's own GPT (the start-up line says which and why); "
+                        "mcore: megatron-core's GPTModel or an error naming the cause; gpt: the project's own GPT")
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--hidden-size", type=int, default=64)
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 * hidden size")
@@ -216,6 +220,8 @@ def _fail(message: str) -> None:
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Derive Megatron's computed arguments and reject invalid combinations (in place)."""
     args.world_size = world_size
+    default_transformer_impl(args)
+    args.model_provider, args.model_provider_reason = choose_model_provider(args, _fail)
     _validate_model_parallel(args, world_size)
     if args.use_custom_fsdp:
         args.use_megatron_fsdp = True
@@ -319,8 +325,6 @@ def _validate_model_parallel(args: argparse.Namespace, world_size: int) -> None:
         _fail(f"--context-parallel-size ({cp}) must be >= 1, and --tensor-model-parallel-size x "
               f"--context-parallel-size ({tp} x {cp}) must divide the world size ({world_size})")
     args.data_parallel_size = world_size // (tp * cp)
-    if cp > 1 and args.model_provider == "mcore":
-        _fail("--context-parallel-size > 1 with --model-provider mcore is not supported; use --model-provider gpt")
     if args.pipeline_model_parallel_size != 1:
         _fail(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: pipeline parallelism is not "
               "supported by this front-end; use 1")
@@ -328,9 +332,6 @@ def _validate_model_parallel(args: argparse.Namespace, world_size: int) -> None:
         print("WARNING: --sequence-parallel has no effect with --tensor-model-parallel-size 1 (disabled, as "
               "Megatron does)", flush=True)
         args.sequence_parallel = False
-    if tp > 1 and args.model_provider == "mcore":
-        _fail("--tensor-model-parallel-size > 1 with --model-provider mcore is not supported: megatron-core's "
-              "model needs its own parallel_state; use --model-provider gpt")
 
 
 def _validate_tensor_parallel_sizes(args: argparse.Namespace) -> None:
@@ -387,8 +388,6 @@ def _validate_fsdp(args: argparse.Namespace) -> None:
         _fail("--use-distributed-optimizer with --use-megatron-fsdp and --data-parallel-sharding-strategy no_shard: "
               "under Megatron-FSDP the strategy decides where optimizer state lives, and no_shard replicates it; "
               "pass --data-parallel-sharding-strategy optim (ZeRO-1), optim_grads or optim_grads_params")
-    if args.model_provider == "mcore" and args.distributed_backend == "gloo":
-        _fail("--model-provider mcore needs CUDA (NCCL); megatron-core's GPTModel does not run on gloo/CPU")
     if args.outer_dp_sharding_strategy != "no_shard" and instances == 1:
         _fail("--outer-dp-sharding-strategy optim requires --num-distributed-optimizer-instances > 1 (HSDP)")
     if args.outer_dp_sharding_strategy == "optim" and args.data_parallel_sharding_strategy != "optim_grads_params":

@@ -1,47 +1,212 @@
-"""``--model-provider mcore``: megatron-core's ``GPTModel`` from the same flags (CUDA and megatron-core only).
+"""megatron-core's ``GPTModel`` from Megatron-LM's flags, and which GPT a run builds.
 
-Imported only when that provider is chosen; everything else in the front-end
-runs without megatron-core.
+``--model-provider auto`` (the default) builds megatron-core's ``GPTModel`` whenever
+megatron-core is importable and can run the configuration here; otherwise the
+project's own GPT (``gpt_model.py``), and the start-up line says why. ``mcore`` asks
+for megatron-core's model and stops, naming the cause, where it cannot run; ``gpt``
+asks for the project's own. On CPU, megatron-core runs through ``mcore_cpu_compat``.
+
+The flags become a ``TransformerConfig`` as in Megatron-LM's
+``core_transformer_config_from_args`` (every config field that has a flag of the same
+name, then its explicit overrides), and the layer spec is Megatron's choice by
+``--transformer-impl`` (``local``: megatron-core's own modules; ``transformer_engine``).
+Flags this front-end does not define yet are read with Megatron's defaults.
+
+Imported by the front-end without megatron-core; megatron-core is imported lazily.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .mcore_cpu_compat import MCORE_VERSION, apply_cpu_compat, cuda_absent
+
+# Fusion switches whose kernels exist only on CUDA (apex / TransformerEngine / megatron's CUDA extensions):
+# on CPU they are turned off, which changes no numbers of the fp32 path (the unfused code computes the same).
+CPU_OFF_FUSIONS = ("masked_softmax_fusion", "gradient_accumulation_fusion", "apply_rope_fusion", "persist_layer_norm")
+
+
+def _arg(args: argparse.Namespace, dest: str, default):
+    """A flag by Megatron's ``dest``, with Megatron's default where this front-end does not define it."""
+    return getattr(args, dest, default)
+
+
+def _mcore_version() -> str | None:
+    if importlib.util.find_spec("megatron.core") is None:
+        return None
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def _have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def mcore_blockers(args: argparse.Namespace) -> list[str]:
+    """Why megatron-core's GPTModel cannot run this configuration here (empty: it can)."""
+    version = _mcore_version()
+    if version is None:
+        return ["megatron-core is not installed (pip install megatron-core)"]
+    blockers = []
+    if cuda_absent() and version != MCORE_VERSION:
+        blockers.append(f"megatron-core {version} is installed, and its CPU compatibility layer "
+                        f"(megatron/training/mcore_cpu_compat.py) is written for {MCORE_VERSION}")
+    if _arg(args, "transformer_impl", "local") == "transformer_engine" and not _have_transformer_engine():
+        blockers.append("--transformer-impl transformer_engine needs TransformerEngine, which is not installed "
+                        "(pass --transformer-impl local for megatron-core's own layers)")
+    if args.context_parallel_size > 1:
+        blockers.append("--context-parallel-size > 1: megatron-core's context parallelism is not wired into this "
+                        "front-end (it needs TransformerEngine's attention)")
+    local_spec = _arg(args, "transformer_impl", "local") == "local"
+    if (args.sequence_parallel and args.tensor_model_parallel_size > 1 and local_spec
+            and importlib.util.find_spec("apex") is None):
+        blockers.append("--sequence-parallel: megatron-core's local layer spec without Apex norms uses torch's "
+                        "LayerNorm, which megatron-core refuses under sequence parallelism")
+    if args.num_experts:
+        blockers.append("--num-experts: megatron-core's MoE layer is not wired into this front-end yet (it runs "
+                        "under the engine with Megatron's allgather dispatcher, which --moe-token-dispatcher-type "
+                        "does not offer yet)")
+    if _arg(args, "multi_latent_attention", False):
+        blockers.append("--multi-latent-attention: megatron-core's local layer spec has no core attention for "
+                        "MLA's head sizes on CPU")
+    if args.init_model_with_meta_device:
+        blockers.append("--init-model-with-meta-device: megatron-core's layers initialise their weights at "
+                        "construction (no reset_parameters to run after sharding)")
+    return blockers
+
+
+def choose_model_provider(args: argparse.Namespace, fail: Callable[[str], None]) -> tuple[str, str]:
+    """``("mcore" | "gpt", why)`` for ``--model-provider auto|mcore|gpt``; ``fail`` where ``mcore`` cannot run."""
+    requested = args.model_provider
+    if requested == "gpt":
+        return "gpt", "--model-provider gpt"
+    blockers = mcore_blockers(args)
+    if requested == "mcore":
+        if blockers:
+            fail("--model-provider mcore cannot build megatron-core's GPTModel here: " + "; ".join(blockers)
+                 + ". Use --model-provider gpt for the project's own GPT")
+        return "mcore", "--model-provider mcore"
+    if blockers:
+        return "gpt", ("--model-provider auto, and megatron-core's GPTModel cannot run this: " + "; ".join(blockers))
+    return "mcore", (f"--model-provider auto and megatron-core {_mcore_version()} is installed "
+                     "(--model-provider gpt builds the project's own GPT)")
+
+
+def transformer_config_from_args(args: argparse.Namespace):
+    """Megatron-LM's ``core_transformer_config_from_args`` over this front-end's flags.
+
+    Every ``TransformerConfig`` field with a flag of the same name takes the flag's
+    value; then Megatron's explicit mappings (``--norm-epsilon``, ``--swiglu``,
+    ``--group-query-attention`` ...). On CPU, ``use_cpu_initialization`` is on (the
+    weights are built on the host, as Megatron's flag does) and the CUDA-only fusions
+    of ``CPU_OFF_FUSIONS`` are off.
+    """
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    config_class = MLATransformerConfig if _arg(args, "multi_latent_attention", False) else TransformerConfig
+    names = {f.name for f in dataclasses.fields(config_class)}
+    kw = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    params_dtype = torch.bfloat16 if args.bf16 else torch.float32  # args.params_dtype is its name here
+    kw.update(
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        persist_layer_norm=not _arg(args, "no_persist_layer_norm", False),
+        layernorm_epsilon=_arg(args, "layernorm_epsilon", 1e-5),  # --norm-epsilon's dest
+        deallocate_pipeline_outputs=True,
+        batch_p2p_comm=not _arg(args, "overlap_p2p_comm", False),
+        num_moe_experts=args.num_experts,
+        rotary_interleaved=_arg(args, "rotary_interleaved", False),
+        fp8_param=_arg(args, "fp8_param_gather", False),
+        # Megatron defines --no-gradient-accumulation-fusion (default on) and --no-masked-softmax-fusion.
+        gradient_accumulation_fusion=_arg(args, "gradient_accumulation_fusion", True),
+        masked_softmax_fusion=_arg(args, "masked_softmax_fusion", True),
+        bias_dropout_fusion=_arg(args, "bias_dropout_fusion", True),
+        apply_rope_fusion=_arg(args, "apply_rope_fusion", True),
+        add_bias_linear=_arg(args, "add_bias_linear", True),
+        inference_sampling_seed=args.seed,
+        use_cpu_initialization=_arg(args, "use_cpu_initialization", False),
+    )
+    if args.swiglu:
+        kw.update(activation_func=F.silu, gated_linear_unit=True,
+                  bias_activation_fusion=_arg(args, "bias_swiglu_fusion", True))
+    else:
+        kw.update(bias_activation_fusion=_arg(args, "bias_gelu_fusion", True))
+    if _arg(args, "squared_relu", False):
+        from megatron.core.activations import squared_relu
+
+        kw["activation_func"] = squared_relu
+    # Megatron: --num-query-groups counts only with --group-query-attention.
+    kw["num_query_groups"] = args.num_query_groups if args.group_query_attention else None
+    if _arg(args, "rope_type", None) is None:
+        kw.pop("rope_type", None)
+    if cuda_absent():
+        kw["use_cpu_initialization"] = True
+        kw.update(dict.fromkeys(CPU_OFF_FUSIONS, False))
+        # The fused bias-activation and bias-dropout-add are TorchScript: they run on CPU, left as asked.
+    kw["transformer_impl"] = _arg(args, "transformer_impl", "local")
+    return config_class(**{k: v for k, v in kw.items() if k in names})
+
+
+def _layer_spec(args: argparse.Namespace, config):
+    """Megatron-LM's layer-spec choice (gpt_builders.py) for the dense model."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    common = dict(num_experts=args.num_experts, moe_grouped_gemm=_arg(args, "moe_grouped_gemm", False),
+                  qk_layernorm=_arg(args, "qk_layernorm", False),
+                  multi_latent_attention=_arg(args, "multi_latent_attention", False))
+    if config.transformer_impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**common)
+    return gpt_layer_specs.get_gpt_layer_local_spec(**common, normalization=args.normalization)
+
+
+def initialize_mcore_parallel(args: argparse.Namespace, seed: int) -> None:
+    """megatron-core's ``parallel_state`` (its own TP/DP groups, Megatron's rank order) and RNG tracker.
+
+    Megatron-LM does both in ``initialize_megatron``, which this front-end replaces. The
+    tracker's "model-parallel-rng" state (seed + 2718 + TP rank) drives attention dropout;
+    on CPU it is a CPU generator state (mcore_cpu_compat.py).
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    if cuda_absent():
+        apply_cpu_compat()
+    tp, ep = args.tensor_model_parallel_size, getattr(args, "expert_model_parallel_size", 1)
+    if parallel_state.model_parallel_is_initialized() and (
+            parallel_state.get_tensor_model_parallel_world_size() != tp
+            or parallel_state.get_expert_model_parallel_world_size() != ep):
+        parallel_state.destroy_model_parallel()  # another job of this process laid out other groups
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
+        )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
 
 def mcore_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True) -> nn.Module:
-    """Build megatron-core's GPTModel (local layer spec, no tensor/pipeline parallelism)."""
-    try:
-        from megatron.core import parallel_state, tensor_parallel
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer.transformer_config import TransformerConfig
-    except ImportError as error:
-        raise RuntimeError("--model-provider mcore needs megatron-core: pip install megatron-core") from error
-    if not torch.cuda.is_available():
-        raise RuntimeError("--model-provider mcore needs a CUDA device (megatron-core's layers are CUDA-only)")
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    # megatron-core's weight init and attention dropout draw from its CUDA RNG tracker
-    # ("model-parallel-rng"); Megatron-LM seeds it in initialize_megatron, which this front-end replaces.
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        init_method_std=args.init_method_std, attention_dropout=args.attention_dropout,
-        hidden_dropout=args.hidden_dropout, normalization=args.normalization, gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu, bf16=args.bf16,
-        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        calculate_per_token_loss=args.calculate_per_token_loss,
-        init_model_with_meta_device=args.init_model_with_meta_device,
-    )
+    """megatron-core's GPTModel as Megatron-LM's ``gpt_builder`` makes it from the flags."""
+    from megatron.core.models.gpt import GPTModel
+
+    initialize_mcore_parallel(args, args.seed)
+    config = transformer_config_from_args(args)
     return GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
+        config=config, transformer_layer_spec=_layer_spec(args, config), vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=_arg(args, "rotary_percent", 1.0),
+        rotary_base=args.rotary_base, rope_scaling=_arg(args, "use_rope_scaling", False),
     )
+
+
+def describe_mcore_model(config) -> str:
+    """The start-up line's name of the model: megatron-core's GPTModel and its layer spec."""
+    spec = "TransformerEngine" if config.transformer_impl == "transformer_engine" else "local"
+    where = ", CPU compatibility layer" if cuda_absent() else ""
+    return f"megatron-core GPTModel ({spec} layer spec{where})"

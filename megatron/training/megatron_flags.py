@@ -382,6 +382,17 @@ def _resolve_transformer_impl(args: argparse.Namespace, fail: Callable[[str], No
         args.transformer_impl = "local"
 
 
+def default_transformer_impl(args: argparse.Namespace) -> None:
+    """Left at Megatron's default (transformer_engine), ``--transformer-impl`` means local without TransformerEngine.
+
+    Resolved before the model is chosen, so that ``--model-provider auto`` builds megatron-core's
+    model with its local layers on a machine without TransformerEngine instead of falling back.
+    """
+    if (args.transformer_impl == "transformer_engine" and not _given(args, "--transformer-impl")
+            and not transformer_engine_available()):
+        args.transformer_impl = "local"
+
+
 def _given(args: argparse.Namespace, flag: str) -> bool:
     return flag in getattr(args, "argv_flags", ())
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
@@ -40,7 +42,7 @@ def test_derived_values():
     (["--seq-length", "80", "--max-position-embeddings", "64"], "--seq-length (80) must be <= "),
     (["--fp16"], "use --bf16"),
     (["--use-megatron-fsdp", "--model-provider", "mcore", "--distributed-backend", "gloo"],
-     "--model-provider mcore needs CUDA"),
+     "--model-provider mcore cannot build megatron-core's GPTModel here"),
     (["--use-distributed-optimizer"], "add --use-megatron-fsdp --data-parallel-sharding-strategy optim"),
 ])
 def test_rejections(flags, message):
@@ -104,6 +106,20 @@ def test_nan_check_on_by_default_and_timeout_flag():
     assert not args_for("--no-check-for-nan-in-loss-and-grad").check_for_nan_in_loss_and_grad
     assert args_for().distributed_timeout_minutes == 10
     assert args_for("--distributed-timeout-minutes", "3").distributed_timeout_minutes == 3
+
+
+def test_model_provider_without_megatron_core():
+    """auto builds the project's own GPT where megatron-core is absent and says why; mcore stops, naming it.
+
+    (With megatron-core: tests/distributed/mcore/mcore_model_checks.py.)"""
+    if importlib.util.find_spec("megatron.core") is not None:
+        pytest.skip("megatron-core is importable here")
+    args = args_for()
+    assert args.model_provider == "gpt", args.model_provider
+    assert "megatron-core is not installed" in args.model_provider_reason, args.model_provider_reason
+    assert args_for("--model-provider", "gpt").model_provider_reason == "--model-provider gpt"
+    with pytest.raises(ArgumentError, match="--model-provider mcore cannot build .*megatron-core is not installed"):
+        args_for("--model-provider", "mcore")
 
 
 def test_needs_data():

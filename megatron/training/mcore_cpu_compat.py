@@ -1,0 +1,248 @@
+"""megatron-core 0.16.1 on CPU: the few CUDA-only calls of its GPT path (dense and MoE), redirected to the CPU.
+
+megatron-core builds and trains its ``GPTModel`` (local layer spec) on CPU except
+where it names CUDA outright. ``apply_cpu_compat()`` redirects exactly those
+places, and only when CUDA is absent; on a CUDA machine megatron-core runs as
+shipped. Each ``Patch`` names the megatron-core file and line it replaces and
+the text expected there: ``stale_patches()`` (run by the tests, and before
+patching) reports any patch whose line no longer reads as expected, so a new
+megatron-core version fails loudly instead of being patched blindly.
+
+How each CUDA call is redirected:
+
+- ``torch.cuda.current_device()`` as an allocation device (global memory buffer,
+  sequence-parallel gathers, DDP grad buffers, RoPE, the MoE router): the module's ``torch`` name is
+  bound to ``_CPUTorch``, which is torch except that ``torch.cuda.current_device()``
+  answers ``"cpu"`` (torch itself is not touched);
+- the causal masks allocated on ``device="cuda"``: CPU versions of the two functions;
+- ``moe_utils.te_general_gemm``, bound only when TransformerEngine imports: ``None``;
+- the RNG tracker (``tensor_parallel/random.py``): its states become CPU generator
+  states, so ``model_parallel_cuda_manual_seed`` seeds one per TP rank (seed + 2718
+  + tp_rank) and ``get_cuda_rng_tracker().fork()`` switches the CPU generator to it
+  for attention dropout, as it switches the CUDA generator on GPUs.
+
+This is front-end code (the library never patches megatron-core); docs/megatron.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import types
+from dataclasses import dataclass
+
+import torch
+
+MCORE_VERSION = "0.16.1"  # the release every patch below was written against
+
+_applied = False
+
+
+class _CPUCuda:
+    """``torch.cuda`` as seen by a patched megatron-core module: the CPU is the current device."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    # tensor_parallel/random.py seeds and reads "the" generator: on CPU that is the default CPU generator.
+    get_rng_state = staticmethod(torch.get_rng_state)
+    manual_seed = staticmethod(torch.manual_seed)
+
+
+class _CPUTorch(types.ModuleType):
+    """``torch`` as seen by a patched megatron-core module: everything but ``torch.cuda`` is torch's own."""
+
+    cuda = _CPUCuda()
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+_CPU_TORCH = _CPUTorch()
+
+
+def _get_cpu_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """``_get_cuda_rng_state`` on CPU: the default CPU generator's state (always a fresh copy)."""
+    if graph_safe:
+        raise RuntimeError("CUDA-graph-safe RNG states (use_cudagraphable_rng / --te-rng-tracker) need CUDA")
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    """``_set_cuda_rng_state`` on CPU (megatron-core's queues the call lazily on a CPU build: it never runs)."""
+    if graph_safe:
+        raise RuntimeError("CUDA-graph-safe RNG states (use_cudagraphable_rng / --te-rng-tracker) need CUDA")
+    torch.set_rng_state(new_state)
+
+
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    """``get_default_causal_mask`` on CPU: True above the diagonal (masked)."""
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu_sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+    """``get_sliding_window_causal_mask`` on CPU, the same bands as megatron-core's."""
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    upper = torch.triu(m, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(upper, diagonal=skv - sq + window_size[1])
+
+
+class _DropForkWarning(logging.Filter):
+    """random.py's fork() warns when the CPU generator moved inside it: on CPU that is the tracked state moving."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "CPU RNG state changed within GPU RNG context"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One redirection: ``module.target`` (dotted) becomes ``replacement``.
+
+    ``lines`` are the 1-based line numbers in megatron-core 0.16.1's ``path``
+    (relative to ``megatron/core``) and ``expected`` the text each must contain:
+    the CUDA calls this patch stands in for.
+    """
+
+    module: str
+    target: str
+    path: str
+    lines: tuple[int, ...]
+    expected: str
+    replacement: object
+    adds: bool = False  # the target is missing from megatron-core (a bug) and is added, not replaced
+
+    def describe(self) -> str:
+        return f"megatron/core/{self.path}:{','.join(map(str, self.lines))} ({self.expected})"
+
+
+def _torch_patch(module: str, path: str, lines: tuple[int, ...]) -> Patch:
+    return Patch(module, "torch", path, lines, "torch.cuda.current_device()", _CPU_TORCH)
+
+
+PATCHES: tuple[Patch, ...] = (
+    # GlobalMemoryBuffer.get_tensor allocates on the current CUDA device (sequence-parallel gathers).
+    _torch_patch("megatron.core.utils", "utils.py", (631,)),
+    # Sequence-parallel gather / reduce-scatter outputs.
+    _torch_patch("megatron.core.tensor_parallel.mappings", "tensor_parallel/mappings.py", (91, 141, 148, 181)),
+    # LinearWithGradAccumulationAndAsyncCommunication's sequence-parallel all-gather buffer.
+    _torch_patch("megatron.core.tensor_parallel.layers", "tensor_parallel/layers.py", (552,)),
+    # megatron-core DDP's contiguous param and grad buffers.
+    _torch_patch("megatron.core.distributed.param_and_grad_buffer", "distributed/param_and_grad_buffer.py",
+                 (783, 800, 806)),
+    # RoPE moves its inverse frequencies to the current CUDA device at the first forward.
+    _torch_patch("megatron.core.models.common.embeddings.rotary_pos_embedding",
+                 "models/common/embeddings/rotary_pos_embedding.py", (162,)),
+    # MoE: the router moves a CPU-resident gate to the current CUDA device, and allocates its aux-loss state there.
+    _torch_patch("megatron.core.transformer.moe.router", "transformer/moe/router.py", (90, 92, 169, 178, 192, 198)),
+    # moe_utils.py binds te_general_gemm only inside its TransformerEngine `try` (megatron-core 0.16.1 bug): without
+    # TE the router's gating linear raises NameError. None is what its own `if te_general_gemm is not None` expects.
+    Patch("megatron.core.transformer.moe.moe_utils", "te_general_gemm", "transformer/moe/moe_utils.py", (1192,),
+          "if te_general_gemm is not None", None, adds=True),
+    Patch("megatron.core.transformer.utils", "get_default_causal_mask", "transformer/utils.py", (35,),
+          'device="cuda"', _cpu_default_causal_mask),
+    Patch("megatron.core.transformer.utils", "get_sliding_window_causal_mask", "transformer/utils.py", (40,),
+          'device="cuda"', _cpu_sliding_window_causal_mask),
+    # fused_softmax.py imported both mask functions by name; its copies are the ones attention calls.
+    Patch("megatron.core.fusions.fused_softmax", "get_default_causal_mask", "fusions/fused_softmax.py", (8, 327),
+          "get_default_causal_mask", _cpu_default_causal_mask),
+    Patch("megatron.core.fusions.fused_softmax", "get_sliding_window_causal_mask", "fusions/fused_softmax.py",
+          (8, 322), "get_sliding_window_causal_mask", _cpu_sliding_window_causal_mask),
+    # The RNG tracker: torch.cuda.get_rng_state / manual_seed in CudaRNGStatesTracker.add and
+    # model_parallel_cuda_manual_seed read and seed the CPU generator instead.
+    Patch("megatron.core.tensor_parallel.random", "torch", "tensor_parallel/random.py", (235, 237, 238, 422),
+          "torch.cuda.", _CPU_TORCH),
+    Patch("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", "tensor_parallel/random.py", (55,),
+          "torch.cuda.random.get_rng_state(device=device)", _get_cpu_rng_state),
+    Patch("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", "tensor_parallel/random.py", (84,),
+          "_cuda_setRNGState", _set_cpu_rng_state),
+)
+
+# Not a replacement: a log filter on the fork() warning at this line (see _DropForkWarning).
+FORK_WARNING = ("tensor_parallel/random.py", 265, "CPU RNG state changed within GPU RNG context")
+
+
+def installed_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def _mcore_root() -> str:
+    import megatron.core
+
+    return megatron.core.__path__[0]
+
+
+def _source_lines(path: str) -> list[str]:
+    with open(f"{_mcore_root()}/{path}", encoding="utf-8") as f:
+        return f.read().splitlines()
+
+
+def stale_patches(patches: tuple[Patch, ...] = PATCHES) -> list[str]:
+    """Every patch (and the fork-warning filter) whose megatron-core line no longer reads as expected."""
+    problems = []
+    version = installed_version()
+    if version != MCORE_VERSION:
+        problems.append(f"megatron-core {version} is installed; these patches are for {MCORE_VERSION}")
+    checks = [(p.path, line, p.expected, p.describe()) for p in patches for line in p.lines]
+    path, line, text = FORK_WARNING
+    checks.append((path, line, text, f"megatron/core/{path}:{line} (fork warning)"))
+    for path, line, expected, what in checks:
+        lines = _source_lines(path)
+        found = lines[line - 1] if line <= len(lines) else "<past the end of the file>"
+        if expected not in found:
+            problems.append(f"{what}: line {line} now reads {found.strip()!r}")
+    for patch in patches:
+        module = importlib.import_module(patch.module)
+        owner, _, attr = patch.target.rpartition(".")
+        holder = _resolve(module, owner)
+        if patch.adds and hasattr(holder, attr) and not _applied:
+            problems.append(f"{patch.describe()}: {patch.module}.{patch.target} now exists (fixed upstream?)")
+        elif not patch.adds and not hasattr(holder, attr):
+            problems.append(f"{patch.describe()}: {patch.module}.{patch.target} no longer exists")
+    return problems
+
+
+def _resolve(module: types.ModuleType, dotted: str):
+    holder = module
+    for part in filter(None, dotted.split(".")):
+        holder = getattr(holder, part)
+    return holder
+
+
+def cuda_absent() -> bool:
+    return not torch.cuda.is_available()
+
+
+def apply_cpu_compat() -> bool:
+    """Redirect megatron-core 0.16.1's CUDA-only calls to the CPU when CUDA is absent; True if patched now.
+
+    Idempotent. Raises, naming the lines, when the installed megatron-core is not
+    the version the patches were written against or a patched line has changed.
+    """
+    global _applied
+    if _applied or not cuda_absent():
+        return False
+    problems = stale_patches()
+    if problems:
+        raise RuntimeError(
+            f"megatron-core on CPU goes through megatron/training/mcore_cpu_compat.py, written for megatron-core "
+            f"{MCORE_VERSION}; it does not fit the installed copy: " + "; ".join(problems)
+            + f". Install megatron-core=={MCORE_VERSION}, or run on CUDA, or use --model-provider gpt"
+        )
+    for patch in PATCHES:
+        owner, _, attr = patch.target.rpartition(".")
+        setattr(_resolve(importlib.import_module(patch.module), owner), attr, patch.replacement)
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropForkWarning())
+    _applied = True
+    return True
+
+
+__all__ = ["MCORE_VERSION", "PATCHES", "Patch", "apply_cpu_compat", "cuda_absent", "stale_patches"]
