@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import OffloadPolicy
 
 from megatron_fsdp.api.fully_shard_model import FULLY_SHARD_MODEL_OPTIONS, fully_shard_whole_model
+from megatron_fsdp.core.lookup import UNIT_ATTR
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy, TorchMixedPrecisionPolicy, resolve_mp_policy
 from megatron_fsdp.core.options import EngineOptions
 from megatron_fsdp.core.shard_module import shard_module
@@ -169,3 +170,12 @@ def fully_shard(
                         dp_outer_dim=dp_outer_dim, mp_policy=mp_policy, options=options,
                         offload_policy=offload_policy, ignored_params=ignored_params,
                         shard_placement_fn=shard_placement_fn, dp_mesh_dims=dp_mesh_dims)
+
+
+def _state(module: nn.Module) -> Any:
+    """``fully_shard.state(module)``, as FSDP2's: the module's runtime state (our ``FSDPUnit``), or
+    ``None`` where ``fully_shard`` was not applied to it."""
+    return module.__dict__.get(UNIT_ATTR)
+
+
+fully_shard.state = _state  # type: ignore[attr-defined]

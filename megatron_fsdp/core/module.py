@@ -93,11 +93,27 @@ class FSDPModule(TorchFSDPModule):
 
     def _get_fsdp_state(self):  # noqa: ANN202 - torch's private hook
         """FSDP2's runtime state, which these modules do not have: name the FSDP2 method that needed it."""
-        caller = sys._getframe(1).f_code.co_name
+        frame = sys._getframe(1)
+        while frame.f_back is not None and frame.f_code.co_name.startswith("<"):  # <listcomp>, <genexpr>
+            frame = frame.f_back
+        caller = frame.f_code.co_name
+        where = f"{type(self).__bases__[-1].__name__}.{caller}()" if "self" in frame.f_locals else f"{caller}()"
         raise NotImplementedError(
-            f"{type(self).__bases__[-1].__name__}.{caller}(): this FSDP2 method relies on torch's own fully_shard "
-            "runtime, which megatron_fsdp modules do not use; see docs/fsdp2.md for the FSDP2 methods supported"
+            f"{where}: this FSDP2 API relies on torch's own fully_shard runtime, which megatron_fsdp "
+            "modules do not use; see docs/fsdp2.md for the FSDP2 methods supported"
         )
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """FSDP2's switch for reducing zero gradients of parameters unused on some ranks.
+
+        Ours always does (a parameter without a gradient on a rank contributes zeros to the
+        one reduce-scatter of its group), so ``True`` is accepted as is; ``False`` is refused.
+        """
+        if not reduce_scatter_unused_params:
+            raise NotImplementedError(
+                "set_reduce_scatter_unused_params(False): megatron_fsdp always reduces every parameter's "
+                "gradient (zeros where a rank did not use it), which FSDP2 does with True; remove the call"
+            )
 
     @property
     def fsdp_unit(self) -> FSDPUnit:

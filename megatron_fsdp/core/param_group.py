@@ -57,6 +57,7 @@ from megatron_fsdp.memory.grad_buffers import GradSpares
 from megatron_fsdp.sharding.layout import FlatLayout, alignment_numel, build_flat_layout
 from megatron_fsdp.sharding.mesh import DataParallelMesh
 from megatron_fsdp.sharding.outer_shard import gather_compute_shard, outer_shard_geometry
+from megatron_fsdp.sharding.ragged_dtensor import as_ragged
 from megatron_fsdp.sharding.ragged_shard import RaggedShard, full_tensor, shard_sizes, without_storage_offset
 from megatron_fsdp.sharding.strategy import ShardingPlan
 from megatron_fsdp.sharding.tensor_parallel import TensorParallelSpec, sharded_mesh
@@ -418,10 +419,10 @@ class ParamGroup:
         """Wrap this rank's piece of parameter ``index`` (or its grad) as a DTensor."""
         shape = self.global_shape(index)
         full_stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(
+        return as_ragged(DTensor.from_local(
             without_storage_offset(local), self._mesh(index), self._placements(index), run_check=False,
             shape=torch.Size(shape), stride=full_stride,
-        )
+        ))
 
     def _make_sharded_param(self, index: int) -> nn.Parameter:
         original = self.refs[index].param

@@ -100,7 +100,8 @@ def _collect_params(modules: list[nn.Module], ignored: set[int], prefixes: list[
                 raise ValueError(
                     f"parameter '{fqn}' is already sharded by another fully_shard unit (it is "
                     "shared with a module outside that unit); apply fully_shard to a common "
-                    "ancestor of every module that uses it instead"
+                    "ancestor of every module that uses it instead, or to all of them as one unit "
+                    "with the list form fully_shard([module_a, module_b])"
                 )
             ref = refs.setdefault(id(param), ParamRef(param, tp=tensor_parallel_spec(fqn, param)))
             ref.uses.append((mod, name))

@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 _UNITS: weakref.WeakSet[FSDPUnit] = weakref.WeakSet()
 _HANDLE: RemovableHandle | None = None
 
+# Set on megatron_fsdp's own global step hooks: they know that a step may run on local
+# shards, so they do not keep the local step from being used (optim/local_step.py).
+OWN_HOOK = "_megatron_fsdp_local_step_hook"
+
 
 def watch(unit: FSDPUnit) -> None:
     """Check ``unit``'s gradients before every optimizer step that holds its parameters."""
@@ -145,3 +149,6 @@ def check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
         "or reduce them first with MegatronFSDP.finish_grad_sync() (fully_shard_optimizer's step does that) "
         "before optimizer.step()"
     )
+
+
+setattr(check_before_step, OWN_HOOK, True)  # it reads gradients by address, local aliases included

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +35,11 @@ from megatron_fsdp.core.state import RootState
 from megatron_fsdp.memory.allocator import pool_for
 from megatron_fsdp.memory.grad_buffers import GradSpares
 from megatron_fsdp.sharding.strategy import ShardingPlan
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` run eagerly even when called from a compiled region (``torch.compile`` of a block)."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 class TrainingState(enum.Enum):
@@ -131,9 +136,11 @@ class FSDPUnit:
         # Its weights stay gathered until the last one: such a graph may still read them through a
         # frozen parameter, which no gradient hook tracks. A graph dropped unused closes its pass.
         self._open_passes = 0
+        # Dynamo never traces the hooks (FSDP2's ``_dynamo_disable``): they run eagerly around a
+        # compiled block, which then has no graph break of ours (issue 26).
         for mod in (module, *others):
-            mod.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
-            mod.register_forward_hook(self.post_forward, always_call=True)
+            mod.register_forward_pre_hook(_eager(self.pre_forward), prepend=True, with_kwargs=True)
+            mod.register_forward_hook(_eager(self.post_forward), always_call=True)
 
     def check_enclosing_options(self, options: EngineOptions, where: str) -> None:
         """Raise if this unit was given options that differ from an enclosing unit's in a root field.
@@ -291,12 +298,24 @@ class FSDPUnit:
         if self.state is TrainingState.IDLE:
             self.reshard()
 
-    def prepare_state_dict_for_load(self, module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    def prepare_state_dict_for_load(
+        self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict | None = None, *_: Any
+    ) -> None:
         """``load_state_dict`` pre-hook: re-cut incoming values into our shards.
 
+        With ``assign=True`` (torch's tutorial recipe with ``distribute_tensor`` values) torch
+        would make the value itself the parameter, a tensor outside our flat shard that the
+        all-gather never reads: the values are copied into our shard here instead, and the
+        entry becomes our own parameter, which torch then assigns in place of itself.
         """
+        assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
         for group, index, key in self._state_keys(module, state_dict, prefix):
             state_dict[key] = group.loadable(index, state_dict[key], key)
+            if assign:
+                param = group.sharded_params[index]
+                with torch.no_grad():
+                    param.to_local().copy_(state_dict[key].to_local())
+                state_dict[key] = param
         self.mark_weights_stale()  # the main weights are about to change
 
     def _state_keys(self, module: nn.Module, state_dict: dict, prefix: str) -> Iterator[tuple[ParamGroup, int, str]]:
@@ -420,7 +439,7 @@ class FSDPUnit:
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, self.pre_backward, mode="any")
+                torch.autograd.graph.register_multi_grad_hook(tensors, _eager(self.pre_backward), mode="any")
         return self._cast_outputs(output)
 
     # -- backward -----------------------------------------------------------

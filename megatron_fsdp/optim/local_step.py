@@ -16,7 +16,10 @@ place; a state tensor the optimizer replaced or created is wrapped with the
 parameter's layout). Checkpoints, ``state_dict`` and LR schedulers see no change.
 
 The first step of a parameter (no state yet) runs the plain DTensor step, so its
-state is created exactly as torch creates it.
+state is created exactly as torch creates it. Nor is the local step used while any step
+hook other than megatron_fsdp's own is registered (on the optimizer or globally): hooks
+run inside the window and must see the DTensors they see under FSDP2
+(``observed_by_hooks``). Optimizers without such hooks keep the speed-up.
 """
 
 from __future__ import annotations
@@ -26,7 +29,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.optim.optimizer as optim_hooks
 from torch.distributed.tensor import DTensor
+
+from megatron_fsdp.core.step_guard import OWN_HOOK
+from megatron_fsdp.sharding.ragged_dtensor import as_ragged
 
 
 def _local_alias(tensor: DTensor) -> torch.Tensor:
@@ -40,14 +47,29 @@ def _restore(value: Any, param: DTensor, aliased: dict[int, tuple[torch.Tensor, 
     if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0 and (
         value.shape == param._local_tensor.shape
     ):  # replaced or created by the optimizer: give it the parameter's layout
-        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
+        return as_ragged(DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                            shape=param.shape, stride=param.stride()))
     return value
 
 
+def observed_by_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a user's step hook would run inside the local window and see local aliases.
+
+    torch runs the global step pre-hooks, then the optimizer's own, the step, the
+    optimizer's own post-hooks, then the global ones: any of them but ours would see plain
+    local shards where FSDP2 shows DTensors (a ``clip_grad_norm_`` in a pre-hook would take
+    each rank's own norm, an EMA in a post-hook would mix shapes).
+    """
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return True
+    hooks = (*optim_hooks._global_optimizer_pre_hooks.values(), *optim_hooks._global_optimizer_post_hooks.values())
+    return any(not getattr(hook, OWN_HOOK, False) for hook in hooks)
+
+
 def steppable_locally(optimizer: torch.optim.Optimizer) -> bool:
-    """Every DTensor parameter with a gradient already has optimizer state (not its first step)."""
-    return all(
+    """Every DTensor parameter with a gradient already has optimizer state (not its first step),
+    and no step hook but ours can observe the parameters during the step."""
+    return not observed_by_hooks(optimizer) and all(
         p in optimizer.state and len(optimizer.state[p]) > 0
         for group in optimizer.param_groups
         for p in group["params"]

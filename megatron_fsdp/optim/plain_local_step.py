@@ -15,6 +15,8 @@ for bit) and the matching post-hook leaves it, when all of these hold:
 - every parameter is a sharded parameter of a live unit (not FSDP2's, not plain tensors);
 - every parameter with a gradient already has state (the first step creates it through
   DTensor, as torch does), and no closure is passed;
+- no step hook but these two is registered, on the optimizer or globally
+  (``local_step.observed_by_hooks``): a user's hook sees the DTensors it sees under FSDP2;
 - it is not a ``fully_shard_optimizer`` (that one does the same itself).
 
 If ``step`` (or another post-hook) raises between the hooks, ``param_groups`` and
@@ -35,6 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.hooks import RemovableHandle
 
 from megatron_fsdp.core import step_guard
+from megatron_fsdp.core.step_guard import OWN_HOOK
 from megatron_fsdp.optim.local_step import on_local_shards, steppable_locally
 from megatron_fsdp.optim.optimizer import _WRAPPED  # fully_shard_optimizer's marker
 from megatron_fsdp.optim.state_layout import check_before_step
@@ -83,8 +86,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     if not _ours(optimizer) or not steppable_locally(optimizer):
         return
     if optimizer not in _state_dict_hooked:
-        optimizer.register_state_dict_pre_hook(_put_back)
-        optimizer.register_load_state_dict_pre_hook(_put_back)
+        optimizer.register_state_dict_pre_hook(_put_back, prepend=True)  # before any user hook
+        optimizer.register_load_state_dict_pre_hook(_put_back, prepend=True)
         _state_dict_hooked.add(optimizer)
     context = on_local_shards(optimizer)
     context.__enter__()
@@ -93,3 +96,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _put_back(optimizer)
+
+
+for _hook in (_before_step, _after_step):
+    setattr(_hook, OWN_HOOK, True)  # local_step.observed_by_hooks: these know the local window

@@ -10,11 +10,9 @@ It compares equal to ``Shard(dim)`` so that sharding propagation treats
 element-wise work on our shards (what optimizers and norms do) as local work;
 its hash differs so that caches keyed on placements never confuse the two.
 
-Known limit (documented in docs/api.md): an out-of-place op on a ragged DTensor
-(``p * 2``) is given a plain ``Shard(0)`` by PyTorch's propagation rules.
-Parameters, gradients and optimizer state (created with ``*_like`` and updated
-in place) keep this placement; use ``megatron_fsdp.full_tensor`` on anything
-else.
+PyTorch's propagation rules give an op's output a plain ``Shard(0)``; our
+parameters and gradients are ``RaggedDTensor``s (``ragged_dtensor.py``), whose
+dispatch gives the placement back and re-lays out operands in other layouts.
 """
 
 from __future__ import annotations

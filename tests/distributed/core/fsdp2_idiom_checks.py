@@ -13,15 +13,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from megatron_fsdp import fully_shard
-from tests.distributed.harness import check, device, shared_tmpdir
+from megatron_fsdp.optim.local_step import observed_by_hooks
+from tests.distributed.harness import check, device, device_type, shared_tmpdir
 from tests.models import ResidualMLP as MLP
 
 SUITE = "fsdp2_idioms"
@@ -248,3 +252,216 @@ def main_grad_follows_zero_grad() -> None:
             assert param.grad is None and getattr(param, "main_grad", None) is None, f"{name}: stale main_grad"
         else:
             assert param.main_grad is param.grad, name
+
+
+# -- user code that treats a sharded parameter as an ordinary DTensor (issue 26) -------------
+# Each runs the same code on our fully_shard, on torch's FSDP2 and (where it applies) on one
+# process holding the whole model. Small parameters make our rows ragged: an Embedding(2, 8)
+# sits on one rank, a Linear(8, 3) elsewhere.
+
+
+def _small_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(2, 8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _both_sharded() -> dict[str, nn.Module]:
+    """``{"ours": ..., "fsdp2": ...}``: the same weights, sharded per Linear and at the root."""
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    models = {}
+    for name, shard in (("ours", fully_shard), ("fsdp2", lambda m: torch_fully_shard(m, mesh=mesh))):
+        model = _small_model().to(device())
+        shard(model[1])
+        shard(model)
+        models[name] = model
+    return models
+
+
+def _small_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, sharded: bool) -> None:
+    world = dist.get_world_size()
+    tokens = torch.randint(0, 2, (2 * world, 5), generator=torch.Generator().manual_seed(step))
+    if sharded:
+        tokens = tokens.chunk(world)[dist.get_rank()]
+    model(tokens.to(device())).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _assert_same(got: nn.Module, want: nn.Module, what: str, rtol: float = 0.0, atol: float = 0.0) -> None:
+    for (name, p), q in zip(got.named_parameters(), want.parameters()):
+        q = q.full_tensor() if isinstance(q, DTensor) else q
+        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=rtol, atol=atol, msg=f"{what}: {name}")
+
+
+@check(SUITE)
+def copy_from_distribute_tensor_and_assign_load_exact_values() -> None:
+    """torch's loading idioms: ``p.copy_(distribute_tensor(full, p.device_mesh, p.placements))``
+    and ``load_state_dict({k: distribute_tensor(...)}, assign=True)``: the values land bitwise,
+    and training on them gives FSDP2's numbers. ``distribute_tensor`` cuts even torch.chunk
+    pieces; ours hold ragged rows, so the copy re-lays the source out instead of broadcasting
+    a 1-row piece into a 2-row shard."""
+    torch.manual_seed(7)
+    full = {k: torch.randn_like(v) for k, v in _small_model().state_dict().items()}
+    for recipe in ("copy_", "assign"):
+        models = _both_sharded()
+        for model in models.values():
+            if recipe == "copy_":
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        p.copy_(distribute_tensor(full[name].to(device()), p.device_mesh, p.placements))
+            else:
+                params = dict(model.named_parameters())
+                model.load_state_dict({k: distribute_tensor(full[k].to(device()), p.device_mesh, p.placements)
+                                       for k, p in params.items()}, assign=True)
+                if model is models["ours"]:  # the values went into our shards; the parameters stay ours
+                    assert all(p is params[k] for k, p in model.named_parameters())
+            for name, p in model.named_parameters():
+                assert torch.equal(p.full_tensor().cpu(), full[name]), f"{recipe}: {name} did not load"
+        reference = _small_model()
+        reference.load_state_dict(full)
+        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        for step in range(3):
+            for key, model in models.items():
+                _small_step(model, opts[key], step, sharded=True)
+            _small_step(reference, ref_opt, step, sharded=False)
+        _assert_same(models["ours"], models["fsdp2"], f"{recipe}: ours vs FSDP2", rtol=1e-6, atol=1e-7)
+        _assert_same(models["ours"], reference.to(device()), f"{recipe}: ours vs one process", rtol=1e-5, atol=1e-6)
+
+
+@check(SUITE)
+def derived_tensors_gather_and_checkpoint_like_fsdp2() -> None:
+    """``full_tensor()`` of ``p.detach().clone()``, ``p * 2``, ``p.to(bfloat16)``, an EMA copy
+    updated with ``lerp_``, ``redistribute`` to ``Shard(0)`` and ``Replicate()``, and ``dcp.save``
+    of cloned parameters: each equals FSDP2's (the RaggedShard placement survives the ops)."""
+    models = _both_sharded()
+    emas = {k: {n: p.detach().clone() for n, p in m.named_parameters()} for k, m in models.items()}
+    whole = {n: p.full_tensor().clone() for n, p in models["ours"].named_parameters()}  # the EMA on full tensors
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
+    for step in range(3):
+        for key, model in models.items():
+            _small_step(model, opts[key], step, sharded=True)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    emas[key][name].lerp_(p, 0.25)
+                    if key == "ours":
+                        whole[name].lerp_(p.full_tensor(), 0.25)
+    derived = {
+        "clone": lambda p: p.detach().clone(),
+        "times two": lambda p: p * 2,
+        "bfloat16": lambda p: p.to(torch.bfloat16),
+        "sum with clone": lambda p: p.detach() + p.detach().clone(),
+        "to Shard(0)": lambda p: p.redistribute(placements=[Shard(0)]),
+        "to Replicate": lambda p: p.redistribute(placements=[Replicate()]),
+    }
+    for key, model in models.items():  # the same ops on the whole tensor, bitwise, as FSDP2 gives
+        for name, p in model.named_parameters():
+            full = p.full_tensor()
+            for what, fn in derived.items():
+                got = fn(p).full_tensor()
+                want = full.detach() if what.startswith("to ") else fn(full.detach())
+                assert torch.equal(got, want), f"{key}: full_tensor() of {what} of {name} is not {what} of the whole"
+    ours, fsdp2 = (dict(models[k].named_parameters()) for k in ("ours", "fsdp2"))
+    for name in ours:
+        assert torch.equal(emas["ours"][name].full_tensor(), whole[name]), f"EMA of {name}"
+        torch.testing.assert_close(emas["ours"][name].full_tensor(), emas["fsdp2"][name].full_tensor(),
+                                   rtol=1e-6, atol=1e-7, msg=f"EMA of {name}: ours vs FSDP2")
+        as_shard = ours[name].redistribute(placements=[Shard(0)])
+        assert type(as_shard.placements[0]) is Shard, as_shard.placements
+    with shared_tmpdir("derived-dcp") as directory:
+        saved = {n: p.detach().clone() for n, p in models["ours"].named_parameters()}
+        dcp.save(saved, checkpoint_id=directory)
+        fresh = _both_sharded()["fsdp2"]  # cross-load into FSDP2's layout: the rows must be where DCP says
+        target = {n: p.detach().clone() for n, p in fresh.named_parameters()}
+        dcp.load(target, checkpoint_id=directory)
+    for name, value in target.items():
+        assert torch.equal(value.full_tensor(), ours[name].full_tensor()), f"dcp of cloned {name}"
+
+
+@check(SUITE)
+def optimizer_step_hooks_see_dtensors_as_under_fsdp2() -> None:
+    """A grad clip in ``register_step_pre_hook`` and an EMA in ``register_step_post_hook`` see
+    the DTensor parameters (the global norm, whole-parameter EMA), as under FSDP2: the local
+    step (plain local shards) is not used while a user's hook can observe it, and is used again
+    once the hooks are removed."""
+    models = _both_sharded()
+    reference = _small_model()
+    emas: dict[str, dict[str, torch.Tensor]] = {}
+    seen: dict[str, set] = {}
+
+    def install(key: str, model: nn.Module, opt: torch.optim.Optimizer) -> list:
+        emas[key] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        seen[key] = set()
+        params = dict(model.named_parameters())
+
+        def pre(optimizer, args, kwargs) -> None:
+            seen[key].update(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
+            torch.nn.utils.clip_grad_norm_([p for p in params.values() if p.grad is not None], max_norm=0.05)
+
+        def post(optimizer, args, kwargs) -> None:
+            with torch.no_grad():
+                for n, p in params.items():
+                    emas[key][n].lerp_(p, 0.5)
+
+        return [opt.register_step_pre_hook(pre), opt.register_step_post_hook(post)]
+
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
+    opts["one"] = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    everything = {**models, "one": reference}
+    handles = [h for k, m in everything.items() for h in install(k, m, opts[k])]
+    assert observed_by_hooks(opts["ours"])
+    for step in range(4):
+        for key, model in everything.items():
+            _small_step(model, opts[key], step, sharded=key != "one")
+    assert seen["ours"] == {True}, "a step hook saw local shards where FSDP2 shows DTensors"
+    _assert_same(models["ours"], models["fsdp2"], "clip + EMA hooks: ours vs FSDP2", rtol=1e-6, atol=1e-7)
+    _assert_same(models["ours"], reference.to(device()), "clip + EMA hooks: ours vs one process", rtol=1e-5, atol=1e-6)
+    for name, ema in emas["ours"].items():
+        torch.testing.assert_close(ema.full_tensor(), emas["fsdp2"][name].full_tensor(), rtol=1e-6, atol=1e-7,
+                                   msg=f"EMA of {name}")
+    for handle in handles:
+        handle.remove()
+    assert not observed_by_hooks(opts["ours"]), "without hooks the local step must be used again"
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+@check(SUITE, params={"fullgraph": [False, True]})
+def compile_blocks_after_fully_shard_without_graph_breaks(fullgraph: bool) -> None:
+    """``block.compile()`` after ``fully_shard`` (torchtitan's order): no more graph breaks than
+    FSDP2 (counted by ``torch._dynamo.utils.counters``; our hooks run eagerly, as FSDP2's do),
+    ``fullgraph=True`` compiles, and training matches FSDP2 and the uncompiled run."""
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    shards = {"ours": fully_shard, "fsdp2": lambda m: torch_fully_shard(m, mesh=mesh), "eager": fully_shard}
+    breaks, models = {}, {}
+    for key, shard in shards.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(_Block(), _Block()).to(device())
+        for block in model:
+            shard(block)
+        shard(model)
+        torch._dynamo.reset()
+        counters.clear()
+        if key != "eager":
+            for block in model:
+                block.compile(backend="eager", fullgraph=fullgraph)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+            model(x.to(device())).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        breaks[key] = sum(counters["graph_break"].values())
+        models[key] = model
+    torch._dynamo.reset()
+    assert breaks["ours"] <= breaks["fsdp2"], f"graph breaks: ours {breaks['ours']}, FSDP2 {breaks['fsdp2']}"
+    _assert_same(models["ours"], models["eager"], "compiled vs eager", rtol=1e-6, atol=1e-7)
+    _assert_same(models["ours"], models["fsdp2"], "ours vs FSDP2 compiled", rtol=1e-6, atol=1e-7)
