@@ -30,12 +30,13 @@ placements and only relabel the ragged pieces).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -111,9 +112,23 @@ _LAYOUT_FREE = {
 }
 
 
+# In-place random fills (``nn.init``): DTensor draws each piece at its global offset, which it
+# takes from the placement (ours: the ragged rows).
+_RANDOM = {"aten::uniform_", "aten::normal_", "aten::bernoulli_", "aten::random_", "aten::exponential_",
+           "aten::geometric_", "aten::log_normal_", "aten::cauchy_"}
+
+
 def _layout_free(func: Any) -> bool:
     name = func._schema.name if hasattr(func, "_schema") else ""
-    return name in _LAYOUT_FREE or name.startswith("aten::_foreach_") or torch.Tag.pointwise in func.tags
+    return (name in _LAYOUT_FREE or name in _RANDOM or name.startswith("aten::_foreach_")
+            or torch.Tag.pointwise in func.tags)
+
+
+def _is_view(func: Any) -> bool:
+    """An op whose output aliases its input without writing it (``view``, ``t``, ``detach``)."""
+    schema = getattr(func, "_schema", None)
+    return bool(schema is not None and schema.returns and schema.returns[0].alias_info is not None
+                and not schema.returns[0].alias_info.is_write)
 
 
 def _groups(args: tuple, kwargs: dict) -> list[list[Any]]:
@@ -133,6 +148,33 @@ def _replicated(tensor: DTensor) -> DTensor:
     return DTensor.redistribute(tensor, tensor.device_mesh, placements)
 
 
+def name_of(func: Any) -> str:
+    schema = getattr(func, "_schema", None)
+    return schema.name if schema is not None else ""
+
+
+# DTensor cuts a view's local shape at torch.chunk boundaries; ours are not.
+_RESHAPES = {"aten::view", "aten::_unsafe_view", "aten::reshape"}
+
+
+def _reshaped(tensor: DTensor, size: Sequence[int]) -> DTensor:
+    """``tensor.view(size)`` for a tensor sharded only by ``RaggedShard(0)``, keeping dim 0 (a view of our rows)."""
+    size = list(size)
+    if -1 in size:
+        known = math.prod(n for n in size if n != -1)
+        size[size.index(-1)] = tensor.numel() // known if known else 0
+    placements = tensor.placements
+    if (not size or size[0] != tensor.shape[0]
+            or not all(isinstance(p, Replicate) or (isinstance(p, RaggedShard) and p.dim == 0) for p in placements)):
+        raise NotImplementedError(
+            f"view/reshape of a DTensor with {placements} (megatron_fsdp's ragged rows) from {tuple(tensor.shape)} "
+            f"to {tuple(size)}: only views that keep dim 0 are supported; take t.full_tensor() first")
+    local = tensor._local_tensor.view([tensor._local_tensor.size(0), *size[1:]])
+    meta = TensorMeta(torch.Size(size), torch.empty(size, device="meta").stride(), tensor.dtype)
+    return RaggedDTensor(local, DTensorSpec(tensor.device_mesh, placements, tensor_meta=meta),
+                         requires_grad=local.requires_grad)
+
+
 class RaggedDTensor(DTensor):
     """A DTensor with a ``RaggedShard`` placement that keeps it through the ops users apply.
 
@@ -147,6 +189,7 @@ class RaggedDTensor(DTensor):
         swap: dict[int, DTensor] = {}  # id(operand) -> what DTensor computes with instead
         refs: dict[int, DTensor] = {}  # id(operand) -> the ragged operand its group follows
         local = _layout_free(func)
+        view = _is_view(func)
         for group in _groups(args, kwargs):
             tensors = [t for t in group if isinstance(t, DTensor)]
             ragged = [t for t in tensors if isinstance(t, RaggedDTensor)]
@@ -165,7 +208,15 @@ class RaggedDTensor(DTensor):
                                 "target to the source's placements first")
                         swap[id(t)] = _relaid(t, ref)
                 continue
-            # Anything else (a matmul over the ragged dim, a view across it, a broadcast):
+            if name_of(func) in _RESHAPES and len(tensors) == 1:
+                return _reshaped(ref, args[1])
+            if view and len(tensors) == 1:
+                # A view of one ragged tensor: DTensor keeps the shard (a view of our rows, so
+                # writes through it land: nn.init.orthogonal_'s view_as(q).copy_(q)) or
+                # gathers it with our placement's hooks; either way nothing else is cut.
+                refs[id(ref)] = ref
+                continue
+            # Anything else (a matmul over the ragged dim, a broadcast):
             # DTensor would cut the other operands at torch.chunk boundaries; it sees the
             # ragged operands gathered instead, which is right for any op, at an all-gather.
             for t in ragged:

@@ -333,7 +333,7 @@ def bad_input_errors() -> None:
 
     tied = Net()
     fully_shard(tied.embed)
-    expect_error(ValueError, "common ancestor", fully_shard, tied)
+    expect_error(ValueError, "fully_shard([module_a, module_b])", fully_shard, tied)
 
     model = shard_net(Net(), "optim_grads_params")
     model.blocks[2].up.weight = nn.Parameter(torch.randn(5, 5))

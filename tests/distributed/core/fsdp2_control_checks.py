@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import share_comm_ctx as torch_share_comm_ctx
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
@@ -488,6 +489,21 @@ def torch_fsdp_module_isinstance_and_its_helpers() -> None:
         assert "set_custom_all_gather" in str(exc), exc
     else:
         raise AssertionError("an FSDP2-only method must raise naming itself")
+    try:
+        torch_share_comm_ctx([model[1], model[2]])
+    except NotImplementedError as exc:
+        assert "share_comm_ctx()" in str(exc) and "listcomp" not in str(exc), exc
+    else:
+        raise AssertionError("share_comm_ctx must raise naming itself")
+    model.set_reduce_scatter_unused_params(True)  # what ours always does: MoE code from FSDP2 keeps the line
+    try:
+        model.set_reduce_scatter_unused_params(False)
+    except NotImplementedError as exc:
+        assert "set_reduce_scatter_unused_params(False)" in str(exc), exc
+    else:
+        raise AssertionError("set_reduce_scatter_unused_params(False) must be refused")
+    assert fully_shard.state(model) is model.fsdp_unit and fully_shard.state(model[1]) is model[1].fsdp_unit
+    assert fully_shard.state(nn.Linear(2, 2)) is None
 
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for step in range(2):
