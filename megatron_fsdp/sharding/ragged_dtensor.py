@@ -11,15 +11,21 @@ ran locally on pieces of different row counts and broadcast one into the other.
 
 torch 2.13's DTensor supports subclasses that intercept ``__torch_dispatch__`` and delegate
 back to DTensor (``DTensor.__torch_dispatch__``'s note). This one does, for every op that
-touches a ragged DTensor:
+touches a ragged DTensor (per index of the lists of a ``_foreach_*`` op):
 
-1. *align*: any other DTensor operand of the same global shape on the same mesh whose
-   placements are not exactly the ragged operand's (an even ``Shard(0)`` from
-   ``distribute_tensor``, a ``Replicate()`` tensor, another unit's ragged rows) is first
-   redistributed into the ragged operand's layout (through ``Replicate``), so the local op
-   that DTensor runs sees pieces of the same rows;
-2. *run* the op on plain DTensors (DTensor's own propagation and C++ fast path);
-3. *relabel*: an output ``Shard(d)`` whose pieces are the ragged operand's rows (global and
+1. *layout-free ops* (pointwise-tagged, ``_foreach_*``, copies, casts, ``*_like``, in-place
+   random fills, ``sum``/norms) whose DTensor operands all have the ragged operand's shape
+   (or are 0-dim): any operand whose placements are not exactly the ragged one's (an even
+   ``Shard(0)`` from ``distribute_tensor``, a ``Replicate()`` tensor, another unit's ragged
+   rows) is first redistributed into the ragged rows (through ``Replicate``), so the local op
+   DTensor runs sees pieces of the same rows; a written operand is refused instead;
+2. ``view``/``reshape`` keeping dim 0 of a tensor sharded only by ragged rows: a local view
+   of our rows (DTensor would cut the local shape at ``torch.chunk`` boundaries); other views
+   of one tensor go to DTensor as they are;
+3. *anything else* (a matmul over the rows, a broadcast): DTensor sees the ragged operands
+   gathered (``Replicate``), right for any op, at an all-gather; writing a ragged operand that
+   way is refused, naming ``full_tensor()``;
+4. *relabel*: an output ``Shard(d)`` whose pieces are the ragged operand's rows (global and
    local sizes along ``d`` those of the ragged dim) gets the ``RaggedShard`` back, and the
    output is a ``RaggedDTensor`` again, so clones, casts, EMA copies and optimizer state stay
    ragged through any chain of ops.
@@ -48,8 +54,14 @@ def _strict(placements: Sequence) -> tuple:
     return tuple((type(p), p) for p in placements)
 
 
-def _plain(tensor: DTensor) -> DTensor:
-    return DTensor(tensor._local_tensor, tensor._spec, requires_grad=tensor.requires_grad)
+def _plain(tensor: DTensor, strip: bool = False) -> DTensor:
+    """``tensor`` as a base-class DTensor over the same local tensor; ``strip``: its ``RaggedShard``s
+    written as ``Shard`` (see ``__torch_dispatch__``)."""
+    spec = tensor._spec
+    if strip and has_ragged(spec.placements):
+        placements = tuple(Shard(p.dim) if isinstance(p, RaggedShard) else p for p in spec.placements)
+        spec = DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+    return DTensor(tensor._local_tensor, spec, requires_grad=tensor.requires_grad)
 
 
 def has_ragged(placements: Sequence) -> bool:
@@ -157,6 +169,11 @@ def name_of(func: Any) -> str:
 _RESHAPES = {"aten::view", "aten::_unsafe_view", "aten::reshape"}
 
 
+def _only_ragged_rows(tensor: DTensor) -> bool:
+    """Sharded by ``RaggedShard(0)`` only (no tensor-parallel ``Shard`` besides)."""
+    return all(isinstance(p, Replicate) or (isinstance(p, RaggedShard) and p.dim == 0) for p in tensor.placements)
+
+
 def _reshaped(tensor: DTensor, size: Sequence[int]) -> DTensor:
     """``tensor.view(size)`` for a tensor sharded only by ``RaggedShard(0)``, keeping dim 0 (a view of our rows)."""
     size = list(size)
@@ -164,8 +181,7 @@ def _reshaped(tensor: DTensor, size: Sequence[int]) -> DTensor:
         known = math.prod(n for n in size if n != -1)
         size[size.index(-1)] = tensor.numel() // known if known else 0
     placements = tensor.placements
-    if (not size or size[0] != tensor.shape[0]
-            or not all(isinstance(p, Replicate) or (isinstance(p, RaggedShard) and p.dim == 0) for p in placements)):
+    if not size or size[0] != tensor.shape[0]:
         raise NotImplementedError(
             f"view/reshape of a DTensor with {placements} (megatron_fsdp's ragged rows) from {tuple(tensor.shape)} "
             f"to {tuple(size)}: only views that keep dim 0 are supported; take t.full_tensor() first")
@@ -208,7 +224,7 @@ class RaggedDTensor(DTensor):
                                 "target to the source's placements first")
                         swap[id(t)] = _relaid(t, ref)
                 continue
-            if name_of(func) in _RESHAPES and len(tensors) == 1:
+            if name_of(func) in _RESHAPES and len(tensors) == 1 and _only_ragged_rows(ref):
                 return _reshaped(ref, args[1])
             if view and len(tensors) == 1:
                 # A view of one ragged tensor: DTensor keeps the shard (a view of our rows, so
@@ -228,14 +244,22 @@ class RaggedDTensor(DTensor):
                 swap[id(t)] = _replicated(t)
 
         originals: dict[int, DTensor] = {}
+        # A layout-free op runs on local pieces whatever the cut, so DTensor is shown plain
+        # ``Shard``s: its sharding-propagation cache matches placements with ``==``
+        # (``RaggedShard == Shard``), and an in-place op served a result cached for ours would
+        # give another library's ``Shard(0)`` DTensor (FSDP2's, same shape, equal mesh) our
+        # ragged placement. Random fills keep it: DTensor draws each piece at the global offset
+        # the placement gives, and plain ``Shard`` offsets of ragged pieces would overlap.
+        strip = local and name_of(func) not in _RANDOM
 
         def unwrap(t: Any) -> Any:
             if not isinstance(t, DTensor):
                 return t
             new = swap.get(id(t), t)
-            if type(new) is not DTensor:
-                new = _plain(new)
-                originals[id(new)] = t
+            if type(new) is not DTensor or (strip and has_ragged(new.placements)):
+                new = _plain(new, strip)
+                if new is not t and id(t) not in swap:
+                    originals[id(new)] = t
             return new
 
         new_args, new_kwargs = tree_map(unwrap, (args, kwargs))
