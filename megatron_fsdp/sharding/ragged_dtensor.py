@@ -121,6 +121,8 @@ _LAYOUT_FREE = {
     "aten::zeros_like", "aten::ones_like", "aten::empty_like", "aten::full_like", "aten::rand_like",
     "aten::randn_like", "aten::sum", "aten::linalg_vector_norm", "aten::_foreach_norm", "aten::equal",
     "aten::_local_scalar_dense", "aten::_amp_foreach_non_finite_check_and_unscale_",
+    # fused optimizers: element-wise over their lists, like _foreach_*
+    "aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_", "aten::_fused_adagrad_",
 }
 
 
