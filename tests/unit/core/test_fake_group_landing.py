@@ -60,3 +60,18 @@ def test_a_step_of_48_units_never_polls_by_the_clock(monkeypatch):
             optimizer.zero_grad()
     assert len(timed_out) >= 2 * (48 - 2), "the in-flight limit was never reached: the test checks nothing"
     assert not any(timed_out), f"{sum(timed_out)} waits ran out their {state.LANDING_WAIT_S} s"
+
+
+def test_sequence_parallel_after_fully_shard_raises_what_parallelism_md_says():
+    """docs/parallelism.md quotes torch's refusal (issue 25): nothing of ours runs before it to word another."""
+    import pytest
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    with fake_world(2):
+        model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8))
+        fully_shard(model)
+        weight = model[0].weight
+        with pytest.raises(RuntimeError, match="local_tensor argument only accepts torch.Tensor but got"):
+            parallelize_module(model, init_device_mesh("cpu", (2,)), {"0": SequenceParallel()})
+        assert model[0].weight is weight  # left unchanged
