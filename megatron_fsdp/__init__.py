@@ -20,6 +20,7 @@ from megatron_fsdp.core.meta_init import materialize_meta
 from megatron_fsdp.core.microbatch import microbatch
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.core.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from megatron_fsdp.core.offload import CPUOffloadPolicy, OffloadPolicy
 from megatron_fsdp.core.options import EngineOptions
 from megatron_fsdp.fully_shard import fully_shard
 from megatron_fsdp.optim.grad_norm import clip_grad_norm_, get_grad_norm
@@ -30,6 +31,7 @@ from megatron_fsdp.sharding.strategy import STRATEGIES, ShardingPlan
 
 __all__ = [
     "STRATEGIES",
+    "CPUOffloadPolicy",
     "CheckpointMismatchError",
     "CommStats",
     "DistributedDataParallelConfig",
@@ -40,6 +42,7 @@ __all__ = [
     "MegatronFSDP",
     "MegatronPrecisionPolicy",
     "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "RaggedShard",
     "ShardingPlan",
     "UnshardHandle",

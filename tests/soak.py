@@ -8,6 +8,11 @@ the chunk it frees and a corrupted heap aborts at once (SIGABRT, exit 134) inste
 later and elsewhere. ``MALLOC_PERTURB_`` fills freed memory, so a read of freed
 memory gives wrong numbers (a failing check) instead of plausible ones.
 
+``round_trip_ours`` and ``round_trip_fsdp2`` are not suites but a program per rank
+(``tests/distributed/checkpoint/round_trip_program.py``): DCP checkpoints moved between
+our models, or between ours and FSDP2's, run to the interpreter's exit without the
+harness's clean-up; a rank that exits non-zero (an abort at teardown included) is a crash.
+
 Runs cycle through the chosen suites and world sizes, for each buffer-pool setting
 (``MEGATRON_FSDP_BUFFER_POOL``: the default of ``EngineOptions.buffer_pool``, which the suites
 leave unset except where a check needs the pool on). At the end it prints, per pool setting, how many runs
@@ -168,8 +173,37 @@ def checks_module(suite: str) -> str:
     return os.path.relpath(found[0], ROOT)[: -len(".py")].replace(os.sep, ".")
 
 
+ROUND_TRIPS = {"round_trip_ours": "ours", "round_trip_fsdp2": "fsdp2"}
+
+
+def round_trip_child(mode: str, world_size: int) -> None:
+    """Inside one run: ``round_trip_program`` (a DCP checkpoint moved between our models, or ours
+    and FSDP2's) on fresh ranks to their normal interpreter exit, without the harness's
+    ``gc.collect()`` before ``destroy_process_group()``: any rank's non-zero exit, an abort at
+    teardown included, is a crash."""
+    import torch.multiprocessing as mp
+
+    from tests.distributed.checkpoint import round_trip_program
+    from tests.distributed.harness import free_port
+
+    death, signal_name = None, None
+    with tempfile.TemporaryDirectory() as directory:
+        try:
+            mp.start_processes(round_trip_program.run, args=(free_port(), mode, directory), nprocs=world_size,
+                               start_method="spawn", join=True)
+        except mp.ProcessExitedException as error:
+            death = str(error)
+            signal_name = error.signal_name or (f"exit code {error.exit_code}" if error.exit_code else None)
+        except mp.ProcessRaisedException as error:
+            death = str(error)[-2000:]
+    print(RESULT_TAG + json.dumps({"death": death, "signal": signal_name, "failed": []}), flush=True)
+
+
 def child_main(suite: str, world_size: int) -> None:
     """Inside one run: run the suite once and print its result as one tagged JSON line."""
+    if suite in ROUND_TRIPS:
+        round_trip_child(ROUND_TRIPS[suite], world_size)
+        return
     import megatron_fsdp
     from tests.distributed.harness import names, run_suite_once
 
@@ -206,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=50, help="suite runs per pool setting (default 50)")
     parser.add_argument("--suites", default=",".join(DEFAULT_SUITES),
-                        help="comma-separated suites of tests/distributed/**/<suite>_checks.py (default %(default)s)")
+                        help="comma-separated suites of tests/distributed/**/<suite>_checks.py, or round_trip_ours/"
+                             "round_trip_fsdp2 (DCP round trips between wrapped models, a program per rank, any "
+                             "non-zero exit a crash) (default %(default)s)")
     parser.add_argument("--world-sizes", default="2", help="comma-separated world sizes to cycle through (default 2)")
     parser.add_argument("--pool", choices=("off", "on", "both"), default="both",
                         help="MEGATRON_FSDP_BUFFER_POOL for the runs (default: both, one after the other)")

@@ -37,6 +37,7 @@ from torch import nn
 from megatron_fsdp.checkpoint import (
     TRACKER_FILE,
     CheckpointCorruptError,
+    CheckpointMismatchError,
     ModelParallel,
     load_checkpoint,
     read_latest_iteration,
@@ -199,6 +200,17 @@ def _padding_hint(saved: dict[str, Any], args: argparse.Namespace) -> str:
             "layouts pad to the same size (train and resume with it). ")
 
 
+def _mismatch_message(args: argparse.Namespace, error: CheckpointMismatchError) -> str:
+    """A strict load's mismatch in command-line terms (the library's advice, ``strict=False``, is no flag)."""
+    skipped = "--finetune or --no-load-args-check" if (args.finetune or args.no_load_args_check) else ""
+    why = (f"{skipped} let model arguments differ from the saved ones, but every tensor of the model must "
+           "still be in the checkpoint with its shape" if skipped else
+           "this model's tensors are not the checkpoint's")
+    return (f"--load {args.load}: checkpoint {error.where} does not match: {error.report.describe()}; {why}. "
+            "Pass the model arguments the checkpoint was saved with (its args are in extra.pt; "
+            "python -m megatron_fsdp.checkpoint info lists its tensors)")
+
+
 def _check_extra(
     args: argparse.Namespace, scheduler: OptimizerParamScheduler | None = None
 ) -> Callable[[dict[str, Any]], None]:
@@ -238,12 +250,17 @@ def load(args: argparse.Namespace, module: nn.Module, optimizer: torch.optim.Opt
         print_rank_0(located.fresh_start)
         return RunState()
     finetune = args.finetune
-    loaded = load_checkpoint(
-        located.directory, module, None if (finetune or args.no_load_optim) else optimizer,
-        iteration=located.iteration,
-        load_optimizer=not (finetune or args.no_load_optim), load_rng=not (finetune or args.no_load_rng),
-        check_extra=_check_extra(args, scheduler), model_parallel=model_parallel(args, layout),
-    )
+    try:
+        loaded = load_checkpoint(
+            located.directory, module, None if (finetune or args.no_load_optim) else optimizer,
+            iteration=located.iteration,
+            load_optimizer=not (finetune or args.no_load_optim), load_rng=not (finetune or args.no_load_rng),
+            check_extra=_check_extra(args, scheduler), model_parallel=model_parallel(args, layout),
+        )
+    except CheckpointMismatchError as error:
+        if error.report is None:
+            raise
+        raise CheckpointMismatchError(_mismatch_message(args, error)) from error
     print_rank_0(f"  successfully loaded checkpoint from {located.directory} at iteration {loaded.iteration}")
     warning = restore_tracker_states(mcore_rng_tracker(), loaded.extra, rng_restored=loaded.rng_restored,
                                      where=f"--load {args.load}")

@@ -49,7 +49,14 @@ DESCRIBE_LIMIT = 5  # keys named per kind in an error message
 
 
 class CheckpointMismatchError(RuntimeError):
-    """The checkpoint and the model/optimizer disagree (missing or unexpected keys, shapes)."""
+    """The checkpoint and the model/optimizer disagree (missing or unexpected keys, shapes).
+
+    Raised by a strict load with ``report`` (the ``KeyReport``) and ``where`` (which part
+    of the checkpoint) set, so that callers without a ``strict=`` option can say what to do.
+    """
+
+    report: KeyReport | None = None
+    where: str = ""
 
 
 @dataclass
@@ -319,8 +326,10 @@ def settle(report: KeyReport, strict: bool, where: str) -> None:
     if not report:
         return
     if strict:
-        raise CheckpointMismatchError(
+        error = CheckpointMismatchError(
             f"checkpoint {where} does not match: {report.describe()}. Pass strict=False to load the rest "
             "(the skipped keys are returned and logged)"
         )
+        error.report, error.where = report, where  # a front-end words its own advice (no strict= there)
+        raise error
     logger.warning("partial load of checkpoint %s: skipped %s", where, report.describe())

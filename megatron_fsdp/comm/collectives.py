@@ -17,7 +17,7 @@ bitwise what ``DistributedDataParallel`` computes.
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -181,7 +181,7 @@ class Pending:
     @property
     def landed(self) -> bool:
         """Every work completed (checked without waiting); ``wait()`` then returns at once."""
-        return all(getattr(w, "is_completed", lambda: True)() for w in self._works)
+        return all(work_completed(w) for w in self._works)
 
     @property
     def in_flight(self) -> bool:
@@ -191,6 +191,47 @@ class Pending:
     @property
     def failed(self) -> bool:
         return self.error is not None
+
+
+# Note (teardown): the last works this process waited for, kept a while by the main thread.
+# A gloo worker thread drops its own reference to a work just after marking it complete,
+# i.e. possibly after ``wait()`` returned. If that is the last reference, the work's
+# destructor runs on the worker and frees the work's tensors; a tensor whose Python object
+# Python already released is then decref'd there, which needs the GIL. While the main
+# thread finalizes the interpreter a thread asking for the GIL is ended with
+# pthread_exit, whose unwinding through gloo's noexcept frames is std::terminate:
+# "terminate called without an active exception", SIGABRT after the program's last line
+# (issue 25, item 1; seen in a core file: ProcessGroupGloo::runLoop ->
+# ~AsyncAllreduceWork -> decref_pyobject -> take_gil -> pthread_exit). Holding each
+# waited-for work here makes the main thread drop the last reference, later, with the GIL.
+# Only control rounds (small tensors; the last collective of a forward without backward,
+# which is where programs end): data collectives' works hold buffers that must be freed.
+_RETIRED: deque[object] = deque(maxlen=8)
+
+
+def _retire(work: object) -> None:
+    _RETIRED.append(work)
+
+
+def work_completed(work: object) -> bool:
+    """Whether ``work`` finished, checked without waiting.
+
+    ``is_completed()`` first. Torch's fake process group (one rank of an N-rank job
+    simulated) runs every collective at issue, but its works answer ``is_completed()``
+    ``False`` for ever; their future is done, which is what a work whose collective
+    completed at issue shows. Without this, anything that waits for a work to land by
+    polling (``core/state.py``) spent its whole time budget on every such work.
+    """
+    is_completed = getattr(work, "is_completed", None)
+    if is_completed is None or is_completed():
+        return True
+    get_future = getattr(work, "get_future", None)
+    if get_future is None:
+        return False
+    try:
+        return bool(get_future().done())
+    except RuntimeError:  # a backend without futures
+        return False
 
 
 # Every handle holding works nobody has waited for yet (failed ones excluded: their
@@ -428,4 +469,6 @@ def broadcast(
 def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup, *, comm: CommConfig = DEFAULT_COMM) -> None:
     """Element-wise maximum of ``tensor`` over ``group``, in place, waited for (control rounds)."""
     comm.record("control", tensor)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    work.wait()
+    _retire(work)

@@ -59,6 +59,7 @@ from megatron_fsdp.sharding.mesh import DataParallelMesh
 from megatron_fsdp.sharding.outer_shard import gather_compute_shard, outer_shard_geometry
 from megatron_fsdp.sharding.ragged_dtensor import as_ragged
 from megatron_fsdp.sharding.ragged_shard import RaggedShard, full_tensor, shard_sizes, without_storage_offset
+from megatron_fsdp.sharding.ragged_spec import strict_spec
 from megatron_fsdp.sharding.strategy import ShardingPlan
 from megatron_fsdp.sharding.tensor_parallel import TensorParallelSpec, sharded_mesh
 
@@ -419,16 +420,16 @@ class ParamGroup:
         """Wrap this rank's piece of parameter ``index`` (or its grad) as a DTensor."""
         shape = self.global_shape(index)
         full_stride = torch.empty(shape, device="meta").stride()
-        return as_ragged(DTensor.from_local(
+        return as_ragged(strict_spec(DTensor.from_local(
             without_storage_offset(local), self._mesh(index), self._placements(index), run_check=False,
             shape=torch.Size(shape), stride=full_stride,
-        ))
+        )))
 
     def _make_sharded_param(self, index: int) -> nn.Parameter:
         original = self.refs[index].param
         with torch.no_grad():
             dtensor = self.as_dtensor(index, self.shard_view(index))
-        param = nn.Parameter(dtensor, requires_grad=original.requires_grad)
+        param = strict_spec(nn.Parameter(dtensor, requires_grad=original.requires_grad))  # Parameter detaches
         copy_param_attributes(original, param)
         param._megatron_fsdp_sharded = True
         return param

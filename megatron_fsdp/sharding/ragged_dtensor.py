@@ -47,6 +47,7 @@ from torch.distributed.tensor.placement_types import Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
 from megatron_fsdp.sharding.ragged_shard import RaggedShard
+from megatron_fsdp.sharding.ragged_spec import strict_spec
 
 
 def _strict(placements: Sequence) -> tuple:
@@ -72,7 +73,7 @@ def as_ragged(tensor: DTensor) -> DTensor:
     """``tensor`` as a ``RaggedDTensor`` (same local tensor and spec) when a placement is ragged."""
     if type(tensor) is RaggedDTensor or not has_ragged(tensor.placements):
         return tensor
-    return RaggedDTensor(tensor._local_tensor, tensor._spec, requires_grad=tensor.requires_grad)
+    return strict_spec(RaggedDTensor(tensor._local_tensor, tensor._spec, requires_grad=tensor.requires_grad))
 
 
 def _relaid(tensor: DTensor, like: DTensor) -> DTensor:
@@ -94,7 +95,7 @@ def _relabelled(out: DTensor, ref: DTensor) -> DTensor:
             changed = True
     if changed:
         spec = DTensorSpec(out.device_mesh, tuple(placements), tensor_meta=out._spec.tensor_meta)
-        return RaggedDTensor(out._local_tensor, spec, requires_grad=out.requires_grad)
+        return strict_spec(RaggedDTensor(out._local_tensor, spec, requires_grad=out.requires_grad))
     return as_ragged(out)
 
 
@@ -189,8 +190,8 @@ def _reshaped(tensor: DTensor, size: Sequence[int]) -> DTensor:
             f"to {tuple(size)}: only views that keep dim 0 are supported; take t.full_tensor() first")
     local = tensor._local_tensor.view([tensor._local_tensor.size(0), *size[1:]])
     meta = TensorMeta(torch.Size(size), torch.empty(size, device="meta").stride(), tensor.dtype)
-    return RaggedDTensor(local, DTensorSpec(tensor.device_mesh, placements, tensor_meta=meta),
-                         requires_grad=local.requires_grad)
+    return strict_spec(RaggedDTensor(local, DTensorSpec(tensor.device_mesh, placements, tensor_meta=meta),
+                                     requires_grad=local.requires_grad))
 
 
 class RaggedDTensor(DTensor):

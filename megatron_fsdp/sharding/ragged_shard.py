@@ -8,7 +8,9 @@ hooks that DTensor's redistribution and DCP's chunk metadata go through.
 
 It compares equal to ``Shard(dim)`` so that sharding propagation treats
 element-wise work on our shards (what optimizers and norms do) as local work;
-its hash differs so that caches keyed on placements never confuse the two.
+its hash differs. That keeps Python dicts apart, but not torch's C++ dispatch cache,
+which confirms hits with ``==`` alone: the DTensors the library makes carry a
+``RaggedSpec`` (``ragged_spec.py``) that is never equal to a plain-``Shard`` spec.
 
 PyTorch's propagation rules give an op's output a plain ``Shard(0)``; our
 parameters and gradients are ``RaggedDTensor``s (``ragged_dtensor.py``), whose

@@ -135,3 +135,13 @@ def test_unknown_keywords_are_named() -> None:
     for name, value in (("ignored_params", set()), ("shard_placement_fn", lambda p: None)):
         with pytest.raises(TypeError, match=f"{name}= belongs to the per-module form"):
             fully_shard(nn.Linear(2, 2), optimizer, **{name: value})
+
+
+def test_fsdp2_policies_import_from_megatron_fsdp():
+    """FSDP2 users import the policies from where they import fully_shard (issue 25): torch's classes."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    from megatron_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    assert CPUOffloadPolicy is torch_fsdp.CPUOffloadPolicy and OffloadPolicy is torch_fsdp.OffloadPolicy
+    assert MixedPrecisionPolicy(param_dtype=None).param_dtype is None  # ours; it also takes torch's (from_fsdp2)

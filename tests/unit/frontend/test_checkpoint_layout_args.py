@@ -41,3 +41,22 @@ def test_other_changes_get_no_padding_hint():
         _check_extra(args)({"args": SAVED})
     assert "--hidden-size 32 (saved) vs 64 (now)" in str(info.value)
     assert "padded rows" not in str(info.value)
+
+
+def test_a_strict_mismatch_is_worded_for_the_command_line():
+    """--no-load-args-check with other shapes: the library's "Pass strict=False" is no flag (issue 25)."""
+    from megatron.training.checkpointing import _mismatch_message
+    from megatron_fsdp.checkpoint.state_dicts import CheckpointMismatchError, KeyReport, settle
+
+    report = KeyReport(mismatched_keys=["model.embedding.weight: checkpoint (256, 32), model (128, 32)"])
+    with pytest.raises(CheckpointMismatchError) as info:
+        settle(report, strict=True, where="model state")
+    assert info.value.report is report and "strict=False" in str(info.value)  # the library's own advice
+    for flags, expected in ((dict(no_load_args_check=True), "--finetune or --no-load-args-check let model "
+                             "arguments differ from the saved ones, but every tensor of the model must still be"),
+                            ({}, "this model's tensors are not the checkpoint's")):
+        message = _mismatch_message(_args(**flags), info.value)
+        assert "strict=False" not in message, message
+        assert message.startswith("--load ckpt: checkpoint model state does not match: ") and expected in message
+        assert "model.embedding.weight: checkpoint (256, 32), model (128, 32)" in message
+        assert "Pass the model arguments the checkpoint was saved with" in message

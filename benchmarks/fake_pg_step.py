@@ -1,0 +1,81 @@
+"""A training step of one rank of an N-rank job under torch's fake process group: ours against FSDP2.
+
+Run:
+
+    python benchmarks/fake_pg_step.py                 # 8 ranks, 48 units, AdamW
+    python benchmarks/fake_pg_step.py --world 64 --units 96 --steps 10
+
+Users dry-run jobs at scale this way (torchtitan's fake backend) to check memory and
+plans, and ``simulate_scale.py`` does too. Under the fake group every collective runs
+at issue, but its works never report ``is_completed()``; anything that waited for them
+by the clock paid its whole budget per work (issue 25: 50 ms per unit, 11.6x FSDP2's
+step). Both libraries wrap the same model (``--units`` blocks of ``Linear, ReLU``, each
+``fully_shard``-ed, then the root) in the same process and run the same steps; the
+median step time of each and their ratio are printed. The numbers themselves are
+garbage (the fake all-gather writes nothing): only time counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from megatron_fsdp import fully_shard
+
+
+def build(units: int, width: int, shard) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(units)])
+    for block in model:
+        shard(block)
+    shard(model)
+    return model
+
+
+def step_times(model: nn.Module, steps: int, batch: int, width: int) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, width)
+    times = []
+    for _ in range(steps + 2):  # the first two steps (lazy init, optimizer state) are not timed
+        start = time.perf_counter()
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    return times[2:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--units", type=int, default=48)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
+    try:
+        results = {}
+        for name, shard in (("ours", fully_shard), ("fsdp2", fsdp2_fully_shard)):
+            model = build(args.units, args.width, shard)
+            results[name] = statistics.median(step_times(model, args.steps, args.batch, args.width))
+        ratio = results["ours"] / results["fsdp2"]
+        print(f"fake process group, rank {args.rank} of {args.world}, {args.units} units, AdamW, "
+              f"median of {args.steps} steps")
+        print(f"  ours  {results['ours'] * 1e3:8.1f} ms/step")
+        print(f"  fsdp2 {results['fsdp2'] * 1e3:8.1f} ms/step")
+        print(f"  ratio ours/fsdp2 {ratio:.2f}")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
