@@ -18,11 +18,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from megatron_fsdp import comm_stats
 from megatron_fsdp.api.fully_shard_model import fully_shard_model
 from megatron_fsdp.api.megatron_fsdp import MegatronFSDP
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.core.step_guard import OWN_HOOK
 from megatron_fsdp.core.steps import named_sharded_parameters
 from megatron_fsdp.fully_shard import fully_shard
 from megatron_fsdp.optim.grad_norm import clip_grad_norm_, get_grad_norm
@@ -739,12 +741,23 @@ def local_shard_step_equals_dtensor_step_bitwise() -> None:
                 model = fully_shard_model(copy.deepcopy(base), fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
                 opt = fully_shard_optimizer(make(model.parameters()), step_on_local_shards=local)
                 seen: list[bool] = []  # per step: did the optimizer's own step see plain local tensors?
-                opt.register_step_pre_hook(lambda o, *_, seen=seen: seen.append(
-                    not any(isinstance(p, DTensor) for g in o.param_groups for p in g["params"])))
-                for step in range(3):  # step 0 creates the state (plain path), then local steps
-                    loss_fn(model, local_batch(step, rank, n)).backward()
-                    opt.step()
-                    opt.zero_grad()
+
+                # A user's step hook turns the local step off (it would see local aliases); this
+                # observer is marked as the library's own so that it does not, and is global so that
+                # it runs where a user's hook would, inside the window.
+                def observe(o, *_, opt=opt, seen=seen):
+                    if o is opt:
+                        seen.append(not any(isinstance(p, DTensor) for g in o.param_groups for p in g["params"]))
+
+                setattr(observe, OWN_HOOK, True)
+                handle = register_optimizer_step_pre_hook(observe)
+                try:
+                    for step in range(3):  # step 0 creates the state (plain path), then local steps
+                        loss_fn(model, local_batch(step, rank, n)).backward()
+                        opt.step()
+                        opt.zero_grad()
+                finally:
+                    handle.remove()
                 assert seen == ([False, True, True] if local else [False] * 3), (strategy, local, seen)
                 runs.append((model, opt))
             what = f"strategy {strategy} {type(runs[0][1]).__name__}"
