@@ -196,5 +196,6 @@ def resolve_tokenizer_files(args: Any, given: Callable[[str], bool], fail: Calla
     if not given("--tokenizer-type"):
         args.tokenizer_type = "GPT2BPETokenizer"  # Megatron-LM's configurations give the files alone
     elif args.tokenizer_type != "GPT2BPETokenizer":
-        fail(f"{' and '.join(files)} are read only by --tokenizer-type GPT2BPETokenizer, not by "
-             f"--tokenizer-type {args.tokenizer_type}; drop {' and '.join(files)} or choose GPT2BPETokenizer")
+        names = " and ".join(files)
+        fail(f"{names} {'is' if len(files) == 1 else 'are'} read only by --tokenizer-type GPT2BPETokenizer, not by "
+             f"--tokenizer-type {args.tokenizer_type}; drop {names} or choose GPT2BPETokenizer")

@@ -15,7 +15,8 @@ from megatron.training.errors import UsageError
 from megatron.training.gpt2_bpe import GPT2BPETokenizer, bytes_to_unicode, gpt2_pattern
 from megatron.training.tokenizer import build_tokenizer
 
-MERGES = [("l", "l"), ("h", "e"), ("he", "ll"), ("hell", "o"), ("Ġ", "w"), ("o", "r"), ("Ġw", "or"), ("l", "d"), ("Ġwor", "ld")]
+MERGES = [("l", "l"), ("h", "e"), ("he", "ll"), ("hell", "o"),
+          ("Ġ", "w"), ("o", "r"), ("Ġw", "or"), ("l", "d"), ("Ġwor", "ld")]
 
 
 @pytest.fixture
