@@ -272,11 +272,12 @@ def load(args: argparse.Namespace, module: nn.Module, optimizer: torch.optim.Opt
             raise
         raise CheckpointMismatchError(_mismatch_message(args, error)) from error
     print_rank_0(f"  successfully loaded checkpoint from {located.directory} at iteration {loaded.iteration}")
+    own_gpt_forks = layout.tp.size > 1 and getattr(args, "model_provider", "gpt") != "mcore"
     trackers = ((TRACKER_KEY, mcore_rng_tracker(), True),
-                (MODEL_PARALLEL_TRACKER_KEY, get_model_parallel_rng_tracker(), layout.tp.size > 1))
+                (MODEL_PARALLEL_TRACKER_KEY, get_model_parallel_rng_tracker(), own_gpt_forks))
     for key, tracker, draws_masks in trackers:
         # a checkpoint written before the model-parallel RNG existed holds none of its states: it loads, the
-        # tracker keeps this run's seeding, and at TP > 1 (where it draws masks) a warning says so
+        # tracker keeps this run's seeding, and where the project's GPT forks it (TP > 1) a warning says so
         warning = restore_tracker_states(tracker, loaded.extra, rng_restored=loaded.rng_restored,
                                          where=f"--load {args.load}", key=key, draws_masks=draws_masks)
         if warning is not None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import io
 from collections.abc import Iterator
 
 import torch
@@ -23,6 +25,7 @@ from megatron.training.rng_tracker import (
     get_model_parallel_rng_tracker,
     model_parallel_manual_seed,
 )
+from megatron_fsdp.parallel import TensorParallel
 from tests.distributed.harness import check, shared_tmpdir
 from tests.fake_rng_tracker import FakeTracker, checkpoint_parts
 
@@ -93,7 +96,14 @@ def each_rank_gets_its_own_model_parallel_rng_back() -> None:
             assert MODEL_PARALLEL_TRACKER_KEY not in extra, list(extra)
             model_parallel_manual_seed(10, tp_rank=rank)
             seeded = tracker.get_states()[MODEL_PARALLEL_RNG]
-            checkpointing.load(_args(directory), *checkpoint_parts())
+            model, optimizer, scheduler, layout = checkpoint_parts()
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):  # at TP 2, where the project's GPT forks the tracker
+                checkpointing.load(_args(directory), model, optimizer, scheduler,
+                                   dataclasses.replace(layout, tp=TensorParallel.from_group(dist.group.WORLD)))
             assert torch.equal(tracker.get_states()[MODEL_PARALLEL_RNG], seeded), "an old checkpoint moved the tracker"
+            if rank == 0:
+                assert "holds no model-parallel RNG tracker states; the tracker keeps this run's seeding" in (
+                    printed.getvalue()), printed.getvalue()
     finally:
         tracker.reset()
