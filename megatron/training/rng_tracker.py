@@ -86,7 +86,7 @@ class ModelParallelRNGTracker:
         """Track a state ``name`` seeded with ``seed`` (the default generator is left as it was)."""
         if name in self.states:
             raise ValueError(f"the RNG state {name!r} is already tracked")
-        generator = torch.Generator(device=self.device_type if self.device_type == "cpu" else "cuda")
+        generator = torch.Generator(device=self.device_type)
         generator.manual_seed(seed)
         self.states[name] = generator.get_state()
 
