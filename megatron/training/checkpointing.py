@@ -210,6 +210,15 @@ def _padding_hint(saved: dict[str, Any], args: argparse.Namespace) -> str:
             "layouts pad to the same size (train and resume with it). ")
 
 
+class LoadMismatchError(UsageValueError, CheckpointMismatchError):
+    """A strict ``--load`` whose tensors do not fit this model, in command-line terms.
+
+    A ``UsageError`` (printed once, without a traceback: every rank raises it at the same point,
+    the key report being merged across ranks) and still the library's ``CheckpointMismatchError``
+    for callers that catch that.
+    """
+
+
 def _mismatch_message(args: argparse.Namespace, error: CheckpointMismatchError) -> str:
     """A strict load's mismatch in command-line terms (the library's advice, ``strict=False``, is no flag)."""
     skipped = "--finetune or --no-load-args-check" if (args.finetune or args.no_load_args_check) else ""
@@ -270,7 +279,9 @@ def load(args: argparse.Namespace, module: nn.Module, optimizer: torch.optim.Opt
     except CheckpointMismatchError as error:
         if error.report is None:
             raise
-        raise CheckpointMismatchError(_mismatch_message(args, error)) from error
+        mismatch = LoadMismatchError(_mismatch_message(args, error))
+        mismatch.report, mismatch.where = error.report, error.where
+        raise mismatch from error
     print_rank_0(f"  successfully loaded checkpoint from {located.directory} at iteration {loaded.iteration}")
     own_gpt_forks = layout.tp.size > 1 and getattr(args, "model_provider", "gpt") != "mcore"
     trackers = ((TRACKER_KEY, mcore_rng_tracker(), True),
