@@ -41,4 +41,5 @@ def test_mcore_adapter_with_megatron_core():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     failures = {name: errors for name, errors in json.loads(line[len("RESULT "):]).items() if errors}
-    assert not failures, "\n".join(e for errors in failures.values() for e in errors)
+    # a rank that died printed where each thread was (the harness's faulthandler) on stderr
+    assert not failures, "\n".join(e for errors in failures.values() for e in errors) + "\n" + out.stderr[-6000:]
