@@ -61,7 +61,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         parser.error("--tokenizer-type NullTokenizer requires --vocab-size")
     if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
-        parser.error("--tokenizer-type GPT2BPETokenizer requires --vocab-file (vocab.json) and --merge-file (merges.txt)")
+        parser.error("--tokenizer-type GPT2BPETokenizer requires --vocab-file (vocab.json) and --merge-file "
+                     "(merges.txt)")
     if not os.path.isfile(args.input):
         parser.error(f"--input {args.input} does not exist")
     return args
