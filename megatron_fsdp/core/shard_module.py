@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import OffloadPolicy
 
 from megatron_fsdp.core import step_guard
+from megatron_fsdp.core.fsdp_param import ParamRef
 from megatron_fsdp.core.grad_scaling import resolve_grad_scaling
 from megatron_fsdp.core.lookup import units_of
 from megatron_fsdp.core.meta_init import META_BUFFERS
@@ -25,7 +26,7 @@ from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy, resolve_mp_
 from megatron_fsdp.core.module import FSDPModule, make_fsdp_module
 from megatron_fsdp.core.offload import resolve_offload_policy
 from megatron_fsdp.core.options import EngineOptions, resolve_options
-from megatron_fsdp.core.param_group import ParamGroup, ParamRef, flat_alignment
+from megatron_fsdp.core.param_group import ParamGroup, flat_alignment
 from megatron_fsdp.core.post_forward_shard import check_post_forward_size, post_forward_mesh
 from megatron_fsdp.core.unit import FSDPUnit
 from megatron_fsdp.core.validation import (

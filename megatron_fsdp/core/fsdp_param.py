@@ -1,0 +1,232 @@
+"""FSDPParam: one parameter of a ``ParamGroup`` and its representations.
+
+A parameter of a group has (docs/design.md section 3):
+
+- its rows of the group's flat main shard (``shard_view``), shown to users and the
+  optimizer as a ``RaggedDTensor`` (``make_sharded``), under torch-native TP on a
+  ``(tp, dp)`` mesh (``placements``, ``mesh``);
+- a view of the gathered flat buffer (``unsharded_view``) that the module computes with;
+- the arithmetic that brings a value from elsewhere into its layout: a full tensor, a
+  TP-global tensor, a DTensor laid out by stock code (``relayout``, ``loadable``).
+
+The group's collectives and gradient bookkeeping stay with the group
+(``core/param_group.py``, ``core/group_weights.py``, ``core/group_grads.py``); this class
+holds what is one parameter's alone, as PyTorch FSDP2's ``FSDPParam`` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from megatron_fsdp.sharding.layout import FlatLayout
+from megatron_fsdp.sharding.mesh import DataParallelMesh
+from megatron_fsdp.sharding.outer_shard import OuterShardGeometry
+from megatron_fsdp.sharding.ragged_dtensor import as_ragged
+from megatron_fsdp.sharding.ragged_shard import RaggedShard, full_tensor, shard_sizes, without_storage_offset
+from megatron_fsdp.sharding.ragged_spec import strict_spec
+from megatron_fsdp.sharding.tensor_parallel import TensorParallelSpec, sharded_mesh
+
+# Per-object gradient bookkeeping set by the engine on its own parameters: never carried to another one.
+_SKIPPED_ATTRS = {"_is_param", "main_grad", "grad_added_to_main_grad", "get_main_grad", "__fsdp_param__"}
+
+
+@dataclass
+class ParamRef:
+    """An original parameter and every (module, attribute) that registers it."""
+
+    param: nn.Parameter
+    uses: list[tuple[nn.Module, str]] = field(default_factory=list)
+    fqns: list[str] = field(default_factory=list)  # one per use, relative to the unit's module
+    replicated: bool = False  # marked fsdp_no_shard (or 0-dim): never sharded
+    tp: TensorParallelSpec | None = None  # torch-native TP: the flat buffer holds the TP-local tensor
+
+    @property
+    def fqn(self) -> str:
+        """The name of the first use, for messages."""
+        return self.fqns[0]
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape the flat buffer holds: the TP-local one under tensor parallelism."""
+        return self.tp.local_shape if self.tp is not None else tuple(self.param.shape)
+
+
+def copy_param_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Carry attributes training loops rely on (``sequence_parallel``, ...) to ``dst``."""
+    for name, value in vars(src).items():
+        if name not in _SKIPPED_ATTRS and not name.startswith("_megatron_fsdp"):
+            setattr(dst, name, value)
+
+
+@dataclass(eq=False)
+class ShardGeometry:
+    """What every parameter of one group shares: the layout, this rank's place in it, the main shard."""
+
+    layout: FlatLayout
+    dp: DataParallelMesh
+    shard_rank: int  # which of the layout's shards (pieces under outer 'optim') this rank holds
+    gathers: bool  # the group is sharded over dp_shard (ZeRO-3's all-gather)
+    outer: OuterShardGeometry | None  # HSDP outer 'optim'
+    shard: torch.Tensor  # this rank's flat main shard
+
+
+class FSDPParam:
+    """Parameter ``index`` of a group: its sharded DTensor, its unsharded view, its TP placement."""
+
+    def __init__(self, index: int, ref: ParamRef, geometry: ShardGeometry) -> None:
+        self.index = index
+        self.ref = ref
+        self.geometry = geometry
+        self.slot = geometry.layout.slots[index]
+        self.piece = geometry.layout.piece(index, geometry.shard_rank)
+        # Torch-native TP: the sharded parameter lives on a (tp, dp) mesh (sharding/tensor_parallel.py).
+        if ref.tp is not None:
+            self.mesh = sharded_mesh(ref.tp, geometry.dp)
+        else:
+            self.mesh = geometry.dp.mesh if geometry.outer is None else geometry.outer.flat_mesh
+
+    @property
+    def fqn(self) -> str:
+        return self.ref.fqn
+
+    # -- this rank's rows ---------------------------------------------------
+    def local_rows(self, source: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``source`` (shaped like the flat buffer's copy of the parameter)."""
+        return source.narrow(0, self.piece.row_start, self.piece.row_count) if source.dim() else source
+
+    def shard_view(self, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's rows of the parameter inside a flat shard-sized tensor (the main shard by default)."""
+        flat = self.geometry.shard if flat is None else flat
+        numel = self.piece.row_count * self.slot.row_numel
+        return flat.narrow(0, self.piece.shard_offset, numel).view(self.piece.local_shape(self.slot.shape))
+
+    def slot_view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The whole parameter inside a flat buffer of the group's full size (gathered, gradients)."""
+        return buffer.narrow(0, self.slot.offset, self.slot.numel).view(self.slot.shape)
+
+    def tp_local(self, full: torch.Tensor) -> torch.Tensor:
+        """This TP rank's piece of a full (global-shaped) value; ``full`` without TP."""
+        spec = self.ref.tp
+        return full if spec is None else spec.local_of(full)
+
+    def fill_from(self, original: torch.Tensor) -> None:
+        """Copy this rank's rows of the original parameter (a DTensor under TP: its local tensor) into the shard."""
+        local = original.to_local() if isinstance(original, DTensor) else original
+        self.shard_view().copy_(self.local_rows(local.detach()))
+
+    def fill(self, full: torch.Tensor) -> None:
+        """Copy this rank's rows of the full (global) value of the parameter into the shard."""
+        self.shard_view().copy_(self.local_rows(self.tp_local(full)))
+
+    # -- the sharded DTensor ------------------------------------------------
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """The parameter's shape as users see it (the global one under TP)."""
+        spec = self.ref.tp
+        return tuple(spec.shape) if spec is not None else self.slot.shape
+
+    def placements(self) -> list:
+        """The sharded DTensor's placements on ``mesh``."""
+        geometry = self.geometry
+        if geometry.outer is not None:
+            rows = geometry.outer.sizes_by_mesh_rank(geometry.layout.rows_per_rank(self.index))
+            return [RaggedShard(0, rows, geometry.outer.order)]
+        inner = RaggedShard(0, geometry.layout.rows_per_rank(self.index)) if geometry.gathers else Replicate()
+        spec = self.ref.tp
+        if spec is not None:  # (tp, dp) mesh: TP splits first, our rows split the TP-local tensor
+            return [*spec.placements, inner]
+        return [Replicate(), inner] if geometry.dp.has_outer else [inner]
+
+    def as_dtensor(self, local: torch.Tensor) -> DTensor:
+        """Wrap this rank's piece of the parameter (or of its grad) as a DTensor."""
+        shape = self.global_shape
+        full_stride = torch.empty(shape, device="meta").stride()
+        return as_ragged(strict_spec(DTensor.from_local(
+            without_storage_offset(local), self.mesh, self.placements(), run_check=False,
+            shape=torch.Size(shape), stride=full_stride,
+        )))
+
+    def make_sharded(self, original: nn.Parameter) -> nn.Parameter:
+        """The sharded ``nn.Parameter`` users and the optimizer see: a DTensor over ``shard_view()``."""
+        with torch.no_grad():
+            dtensor = self.as_dtensor(self.shard_view())
+        param = strict_spec(nn.Parameter(dtensor, requires_grad=original.requires_grad))  # Parameter detaches
+        copy_param_attributes(original, param)
+        param._megatron_fsdp_sharded = True
+        return param
+
+    def unsharded_view(self, source: torch.Tensor) -> torch.Tensor:
+        """What the module computes with: the parameter's slot of ``source`` (the gathered buffer, or the
+        compute shard of a group that does not gather); under torch-native TP a DTensor over the TP mesh."""
+        view = self.slot_view(source)
+        spec = self.ref.tp
+        return view if spec is None else spec.as_dtensor(view)
+
+    # -- values from elsewhere ----------------------------------------------
+    def loadable(self, value: torch.Tensor, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """``value`` (full tensor, or DTensor in any layout) as this parameter's sharded DTensor.
+
+        ``load_state_dict`` copies DTensors shard by shard; a DTensor laid out by
+        stock DTensor code (``torch.chunk`` boundaries, e.g. from
+        ``set_model_state_dict`` with a full state dict) would be copied into our
+        ragged shards row-misaligned, so it is gathered and re-cut here.
+        """
+        shape = self.global_shape
+        if tuple(value.shape) != shape:
+            raise RuntimeError(
+                f"loading '{key}': the checkpoint holds shape {tuple(value.shape)}, the parameter has {shape}"
+            )
+        return self.relayout(value, dtype)
+
+    def in_our_layout(self, value: DTensor) -> bool:
+        """``value``'s placements are exactly this parameter's (types and row counts)."""
+        ours = self.placements()
+        return list(value.placements) == ours and all(type(a) is type(b) for a, b in zip(value.placements, ours))
+
+    def relayout(self, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``value`` (shaped like the parameter: full, or a DTensor in any layout) in its layout.
+
+        Collective when ``value`` is a DTensor not in our layout; every rank takes the same
+        branch (the placements are the same on all ranks).
+        """
+        device = self.geometry.shard.device
+        if isinstance(value, DTensor):
+            if self.in_our_layout(value):
+                return value  # already in our layout (a sharded state dict of this model)
+            if self._holds_our_rows(value):
+                local = value.to_local().detach().to(device=device, dtype=dtype)
+                return self.as_dtensor(local.contiguous())
+            value = full_tensor(value)
+        value = self.tp_local(value.detach())
+        local = self.local_rows(value.to(device=device, dtype=dtype))
+        return self.as_dtensor(local.contiguous())
+
+    def _holds_our_rows(self, value: DTensor) -> bool:
+        """Whether ``value``'s local pieces are exactly this rank's rows of the parameter.
+
+        An out-of-place op on one of our shards (``sd[k].clone()``, ``.to(dtype)``, ``p * 2``,
+        as FSDP2 users do to state dicts) comes back labelled plain ``Shard(0)`` with our
+        ragged pieces (docs/design.md section 3); gathering it as ``torch.chunk`` pieces
+        would be wrong, and refusing it broke such loads. When every rank's row count
+        matches our layout, the pieces are ours and are taken as they are. One small
+        all-gather per sharded mesh dim; every rank takes the same branch.
+        """
+        ours = self.placements()
+        if value.device_mesh != self.mesh or len(value.placements) != len(ours):
+            return False
+        for mesh_dim, (theirs, mine) in enumerate(zip(value.placements, ours)):
+            if self.ref.tp is not None and mesh_dim == 0:
+                if theirs != mine or type(theirs) is not type(mine):  # the TP dimension: the same placement
+                    return False
+            elif isinstance(mine, RaggedShard):
+                if type(theirs) is not Shard or theirs.dim != 0 or mine.order != tuple(range(len(mine.order))):
+                    return False
+                if shard_sizes(value, mesh_dim) != list(mine.local_sizes):
+                    return False
+            elif not isinstance(theirs, Replicate):
+                return False
+        return True
