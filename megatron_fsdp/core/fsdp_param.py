@@ -11,12 +11,15 @@ A parameter of a group has (docs/design.md section 3):
 
 The group's collectives and gradient bookkeeping stay with the group
 (``core/param_group.py``, ``core/group_weights.py``, ``core/group_grads.py``); this class
-holds what is one parameter's alone, as PyTorch FSDP2's ``FSDPParam`` does.
+holds what is one parameter's alone, as PyTorch FSDP2's ``FSDPParam`` does, and is where
+a tensor subclass's all-gather hooks are looked up (``core/gather_hooks.py``).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,10 +59,35 @@ class ParamRef:
 
 
 def copy_param_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Carry attributes training loops rely on (``sequence_parallel``, ...) to ``dst``."""
+    """Carry attributes training loops rely on (``sequence_parallel``, ...) to ``dst``.
+
+    A tensor subclass with all-gather hooks keeps its own state in private attributes
+    (torchao's float8 weight: the wrapped tensor, its config): not copied, they would keep
+    the original's storage alive and mislabel the copy.
+    """
+    private_state = gather_extension(src) is not None
     for name, value in vars(src).items():
-        if name not in _SKIPPED_ATTRS and not name.startswith("_megatron_fsdp"):
-            setattr(dst, name, value)
+        if name in _SKIPPED_ATTRS or name.startswith("_megatron_fsdp") or (private_state and name.startswith("_")):
+            continue
+        setattr(dst, name, value)
+
+
+def gather_extension(tensor: torch.Tensor) -> type | None:
+    """The class of ``tensor``'s local tensor if it defines FSDP2's all-gather hooks, else None.
+
+    PyTorch FSDP2's tensor-subclass extension: a sharded parameter whose local tensor has
+    ``fsdp_pre_all_gather`` and ``fsdp_post_all_gather`` is all-gathered as what the
+    pre-hook returns (torchao's float8 weights: float8 data, 1 byte per element) and
+    rebuilt by the post-hook (``core/gather_extension.py``).
+    """
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    pre, post = hasattr(local, "fsdp_pre_all_gather"), hasattr(local, "fsdp_post_all_gather")
+    if pre != post:
+        raise TypeError(
+            f"{type(local).__name__} defines only one of fsdp_pre_all_gather and fsdp_post_all_gather; "
+            "FSDP2's all-gather extension needs both"
+        )
+    return type(local) if pre else None
 
 
 @dataclass(eq=False)
@@ -88,6 +116,13 @@ class FSDPParam:
             self.mesh = sharded_mesh(ref.tp, geometry.dp)
         else:
             self.mesh = geometry.dp.mesh if geometry.outer is None else geometry.outer.flat_mesh
+        # FSDP2's all-gather extension: the sharded parameter's local tensor is rebuilt as the
+        # original's class around our shard view (``wrap_local``), so the class's hooks and
+        # helpers (torchao's precompute_float8_dynamic_scale_for_fsdp) see what they expect.
+        self.extension = gather_extension(ref.param)
+        self._flatten: tuple[list[str], Any, str, dict[str, torch.Tensor]] | None = None
+        if self.extension is not None:
+            self._flatten = _flatten_template(ref.param, ref.fqn)
 
     @property
     def fqn(self) -> str:
@@ -150,10 +185,20 @@ class FSDPParam:
             shape=torch.Size(shape), stride=full_stride,
         )))
 
+    def wrap_local(self, view: torch.Tensor) -> torch.Tensor:
+        """``view`` (this rank's rows in the main shard) as the sharded DTensor's local tensor: itself, or
+        for a parameter with all-gather hooks an instance of its class over ``view``."""
+        if self._flatten is None:
+            return view
+        names, ctx, data_name, others = self._flatten
+        view = without_storage_offset(view)
+        inner = {**others, data_name: view}
+        return self.extension.__tensor_unflatten__(inner, ctx, view.shape, view.stride())
+
     def make_sharded(self, original: nn.Parameter) -> nn.Parameter:
         """The sharded ``nn.Parameter`` users and the optimizer see: a DTensor over ``shard_view()``."""
         with torch.no_grad():
-            dtensor = self.as_dtensor(self.shard_view())
+            dtensor = self.as_dtensor(self.wrap_local(self.shard_view()))
         param = strict_spec(nn.Parameter(dtensor, requires_grad=original.requires_grad))  # Parameter detaches
         copy_param_attributes(original, param)
         param._megatron_fsdp_sharded = True
@@ -230,3 +275,73 @@ class FSDPParam:
             elif not isinstance(theirs, Replicate):
                 return False
         return True
+
+    # -- FSDP2's all-gather extension ---------------------------------------
+    def pre_all_gather(
+        self, local: torch.Tensor, mesh: Any, module: nn.Module, policy: Any
+    ) -> tuple[torch.Tensor, Any]:
+        """Run ``local``'s ``fsdp_pre_all_gather``: what this rank sends for the parameter, and its metadata.
+
+        ``local``: the sharded DTensor's local tensor, read at each gather (torchao keeps its
+        precomputed scale there). Both of FSDP2's signatures are accepted, as torch 2.13 does:
+        ``(mesh)`` and ``(mesh, outer_size, outer_stride, module, mp_policy)``; ``mp_policy``
+        is ours, whose ``param_dtype`` means what FSDP2's does. The hook must return one
+        tensor holding this rank's rows (the flat buffer carries one per parameter).
+        """
+        hook = local.fsdp_pre_all_gather
+        count = len(inspect.signature(hook).parameters)
+        if count == 1:
+            inputs, metadata = hook(mesh)
+        elif count == 5:
+            shape = torch.Size(self.global_shape)
+            inputs, metadata = hook(mesh, shape, torch.empty(shape, device="meta").stride(), module, policy)
+        else:
+            raise TypeError(
+                f"{type(local).__name__}.fsdp_pre_all_gather{inspect.signature(hook)} of parameter '{self.fqn}': "
+                "FSDP2's signature is (mesh) or (mesh, outer_size, outer_stride, module, mp_policy)"
+            )
+        expected = self.piece.local_shape(self.slot.shape)
+        if len(inputs) != 1 or tuple(inputs[0].shape) != tuple(expected):
+            raise NotImplementedError(
+                f"{type(local).__name__}.fsdp_pre_all_gather of parameter '{self.fqn}' returned "
+                f"{[tuple(t.shape) for t in inputs]}; fully_shard gathers one tensor per parameter shaped like "
+                f"this rank's rows {tuple(expected)} (FSDP2's extension allows more; not supported here)"
+            )
+        return inputs[0], metadata
+
+    def post_all_gather(
+        self, local: torch.Tensor, gathered: torch.Tensor, metadata: Any, dtype: torch.dtype,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Run ``local``'s ``fsdp_post_all_gather`` on the gathered payload ``gathered`` (the whole parameter).
+
+        Without ``out`` returns the compute-time tensor (torchao: a ``Float8TrainingTensor`` over
+        ``gathered``); with ``out`` (that tensor from an earlier gather, over the same memory)
+        refreshes it in place, as FSDP2 does after its first all-gather.
+        """
+        if out is not None:
+            local.fsdp_post_all_gather((gathered,), metadata, dtype, out=out)
+            return None
+        tensor, _inner = local.fsdp_post_all_gather((gathered,), metadata, dtype)
+        return tensor
+
+
+def _flatten_template(param: torch.Tensor, fqn: str) -> tuple[list[str], Any, str, dict[str, torch.Tensor]]:
+    """How to rebuild ``param``'s class around another tensor: ``__tensor_flatten__``'s names and context,
+    the one inner tensor holding the values (shaped and typed like ``param``), the others as they are."""
+    if not hasattr(type(param), "__tensor_flatten__"):
+        raise NotImplementedError(
+            f"parameter '{fqn}' ({type(param).__name__}) defines FSDP2's all-gather hooks but not "
+            "__tensor_flatten__/__tensor_unflatten__, which fully_shard uses to rebuild it around its shard"
+        )
+    names, ctx = param.__tensor_flatten__()
+    inner = {name: getattr(param, name) for name in names}
+    data = [n for n, t in inner.items() if t.shape == param.shape and t.dtype == param.dtype]
+    if len(data) != 1:
+        raise NotImplementedError(
+            f"parameter '{fqn}' ({type(param).__name__}): fully_shard rebuilds a subclass with all-gather hooks "
+            f"around its shard through the one inner tensor shaped like it; found {data or 'none'} among {names}"
+        )
+    others = {n: t for n, t in inner.items() if n != data[0]}
+    return list(names), ctx, data[0], others
+

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_fsdp.comm.collectives import Pending, all_gather
+from megatron_fsdp.core.gather_extension import GATHER_DTYPE
 from megatron_fsdp.core.offload import upload
 from megatron_fsdp.sharding.outer_shard import gather_compute_shard
 
@@ -96,6 +97,8 @@ class WeightPath:
         """
         if self.post_forward_piece is not None:
             return self.post_forward_piece, self.post_forward.group, "all_gather_post_forward", None
+        if self.extension is not None:  # the hooks' payload, read from the sharded parameters
+            return self.extension.gather_input(), self.process_group, "all_gather", None
         refresh = self.refresh_compute(chain=True)
         if refresh is None:  # the one started at the root's forward, if still in flight
             refresh, self._outer_refresh = self._outer_refresh, None
@@ -121,7 +124,10 @@ class WeightPath:
         use the weights and ranks that only take part pair up.
         """
         source, group, kind, refresh = self._gather_input()
-        scratch = torch.empty(self.layout.total_numel, dtype=self.compute_dtype, device=self.device)
+        if self.extension is not None:  # the hooks' payload, as bytes
+            scratch = torch.empty(self.extension.total_numel, dtype=GATHER_DTYPE, device=self.device)
+        else:
+            scratch = torch.empty(self.layout.total_numel, dtype=self.compute_dtype, device=self.device)
         pending = Pending(then=self._store_piece_after(source, scratch))
         try:
             return all_gather(scratch, source, group, kind=kind, into=pending, comm=self.comm, after=refresh)
@@ -189,6 +195,8 @@ class WeightPath:
         self.start_unshard()
         self.wait_gather()
         self._gather = None
+        if self.extension is not None:  # the post-hooks: this gather's metadata (torchao: the scale)
+            self.extension.refresh(self.unsharded_params, self.unsharded.data)
         self._install(self.unsharded_params)
         self.state = GroupState.UNSHARDED
 

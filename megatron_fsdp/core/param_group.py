@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_fsdp.comm.collectives import DEFAULT_COMM, CommConfig, Pending
 from megatron_fsdp.core.fsdp_param import FSDPParam, ParamRef, ShardGeometry, copy_param_attributes
+from megatron_fsdp.core.gather_extension import GATHER_DTYPE, GatherExtension
 from megatron_fsdp.core.group_grads import GradientPath
 from megatron_fsdp.core.group_weights import GroupState, WeightPath
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
@@ -147,8 +148,17 @@ class ParamGroup(WeightPath, GradientPath):
         self.refreshes = 0  # main -> compute copies (outer 'optim': all-gathers), for tests and accounting
         self._outer_refresh: Pending | None = None  # issued at the root's forward, chained by our all-gather
         self.sharded_params = [p.make_sharded(p.ref.param) for p in self.params]
+        # FSDP2's all-gather extension (torchao's float8 weights): the gather moves what the
+        # parameters' pre-hooks return, in a flat buffer of bytes (core/gather_extension.py).
+        self.extension: GatherExtension | None = None
+        if self.gathers and self.params[0].extension is not None:
+            self._check_extension_supported()
+            self.extension = GatherExtension(
+                self.params, self.sharded_params, self.layout, dp, policy, self.compute_dtype, device)
         self.unsharded = (
             FlatBuffer(self.layout.total_numel, self.compute_dtype, device, allocated=True, pool=pool)
+            if self.gathers and self.extension is None
+            else FlatBuffer(self.extension.total_numel, GATHER_DTYPE, device, allocated=True, pool=pool)
             if self.gathers
             else None
         )
@@ -191,11 +201,13 @@ class ParamGroup(WeightPath, GradientPath):
             view.copy_(new_local)
         self.needs_init = False  # initialised by the caller (e.g. reset_parameters after to_empty)
         self.mark_compute_stale()
-        return self.params[index].as_dtensor(view)
+        return self.params[index].as_dtensor(self.params[index].wrap_local(view))
 
     def _make_unsharded_param(self, index: int) -> nn.Parameter:
-        # Under torch-native TP the module's plan computes with DTensors over the TP mesh.
-        tensor = self.params[index].unsharded_view(self.unsharded.data if self.gathers else self.compute_shard)
+        if self.extension is not None:  # the post-hook's tensor over the gathered payload
+            tensor = self.extension.build(index, self.unsharded.data)
+        else:  # under torch-native TP the module's plan computes with DTensors over the TP mesh
+            tensor = self.params[index].unsharded_view(self.unsharded.data if self.gathers else self.compute_shard)
         param = nn.Parameter(tensor, requires_grad=self.refs[index].param.requires_grad)
         copy_param_attributes(self.refs[index].param, param)
         # What a fused-wgrad kernel (TransformerEngine's, fuse_wgrad_accumulation) looks for,
@@ -284,3 +296,22 @@ class ParamGroup(WeightPath, GradientPath):
             if self.unsharded.allocated:
                 raise RuntimeError("ParamGroup.use: the unsharded weights are allocated; reshard first")
             self.unsharded.pool = pool
+
+    def _check_extension_supported(self) -> None:
+        """Refuse what the all-gather extension is not built for, naming it (the gather would be wrong)."""
+        kinds = {p.extension for p in self.params}
+        name = self.params[0].extension.__name__
+        unsupported = [
+            (len(kinds) > 1, f"parameters of several classes {sorted(k.__name__ if k else 'Tensor' for k in kinds)}"),
+            (any(r.tp is not None for r in self.refs), "torch-native tensor parallelism"),
+            (self.offload is not None, "CPU offload"),
+            (self.post_forward is not None, "reshard_after_forward=<int>"),
+            (self.outer is not None, "HSDP outer_sharding_strategy='optim'"),
+        ]
+        for refused, what in unsupported:
+            if refused:
+                raise NotImplementedError(
+                    f"fully_shard: parameters with FSDP2 all-gather hooks ({name}: {[r.fqn for r in self.refs]}) "
+                    f"are not supported with {what}"
+                )
+
