@@ -466,9 +466,12 @@ def broadcast(
     return pending
 
 
-def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup, *, comm: CommConfig = DEFAULT_COMM) -> None:
-    """Element-wise maximum of ``tensor`` over ``group``, in place, waited for (control rounds)."""
-    comm.record("control", tensor)
+def all_reduce_max(
+    tensor: torch.Tensor, group: dist.ProcessGroup, *, comm: CommConfig = DEFAULT_COMM, kind: str = "control"
+) -> None:
+    """Element-wise maximum of ``tensor`` over ``group``, in place, waited for (control rounds; the
+    scales of a quantized all-gather, counted as ``kind``)."""
+    comm.record(kind, tensor)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
     work.wait()
     _retire(work)

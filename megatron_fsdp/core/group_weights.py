@@ -27,6 +27,7 @@ from torch import nn
 from megatron_fsdp.comm.collectives import Pending, all_gather
 from megatron_fsdp.core.gather_extension import GATHER_DTYPE
 from megatron_fsdp.core.offload import upload
+from megatron_fsdp.core.quantized_gather import GATHER_DTYPE as QUANTIZED_DTYPE
 from megatron_fsdp.sharding.outer_shard import gather_compute_shard
 
 
@@ -99,6 +100,8 @@ class WeightPath:
             return self.post_forward_piece, self.post_forward.group, "all_gather_post_forward", None
         if self.extension is not None:  # the hooks' payload, read from the sharded parameters
             return self.extension.gather_input(), self.process_group, "all_gather", None
+        if self.quantized is not None:  # float8 of the main weights (gather_dtype)
+            return self.quantized.gather_input(self.shard, self.comm), self.process_group, "all_gather", None
         refresh = self.refresh_compute(chain=True)
         if refresh is None:  # the one started at the root's forward, if still in flight
             refresh, self._outer_refresh = self._outer_refresh, None
@@ -126,6 +129,8 @@ class WeightPath:
         source, group, kind, refresh = self._gather_input()
         if self.extension is not None:  # the hooks' payload, as bytes
             scratch = torch.empty(self.extension.total_numel, dtype=GATHER_DTYPE, device=self.device)
+        elif self.quantized is not None:
+            scratch = torch.empty(self.quantized.total_numel, dtype=QUANTIZED_DTYPE, device=self.device)
         else:
             scratch = torch.empty(self.layout.total_numel, dtype=self.compute_dtype, device=self.device)
         pending = Pending(then=self._store_piece_after(source, scratch))
@@ -148,11 +153,15 @@ class WeightPath:
         # that autograd saved in forward; the values are the same ones forward
         # used, so the counter is restored once the gather lands.
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(data)
+        target, then = data, self._store_piece_after(source, data)
+        if self.quantized is not None:  # float8 bytes land beside the weights, dequantized into them
+            target = torch.empty(self.quantized.total_numel, dtype=QUANTIZED_DTYPE, device=self.device)
+            then = partial(self.quantized.dequantize_into, target, data)
         # Registered before issuing: whatever happens below, the works stay in sight.
-        self._gather = Pending(then=self._store_piece_after(source, data))
+        self._gather = Pending(then=then)
         try:
             try:
-                all_gather(data, source, group, kind=kind, into=self._gather, comm=self.comm, after=refresh)
+                all_gather(target, source, group, kind=kind, into=self._gather, comm=self.comm, after=refresh)
             finally:
                 self._gather.take_over(refresh)  # waiting for the gather waits for what filled its input
         except BaseException:

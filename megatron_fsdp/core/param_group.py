@@ -51,6 +51,7 @@ from megatron_fsdp.core.group_weights import GroupState, WeightPath
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.core.offload import host_empty
 from megatron_fsdp.core.post_forward_shard import PostForwardMesh
+from megatron_fsdp.core.quantized_gather import QuantizedGather
 from megatron_fsdp.memory.allocator import BufferPool
 from megatron_fsdp.memory.buffer import FlatBuffer
 from megatron_fsdp.memory.grad_buffers import GradSpares
@@ -155,6 +156,14 @@ class ParamGroup(WeightPath, GradientPath):
             self._check_extension_supported()
             self.extension = GatherExtension(
                 self.params, self.sharded_params, self.layout, dp, policy, self.compute_dtype, device)
+        # MixedPrecisionPolicy(gather_dtype=float8): the gather moves float8 of the main weights, dequantized
+        # into the compute buffer (core/quantized_gather.py); parameters with hooks gather what those decide.
+        self.quantized: QuantizedGather | None = None
+        if (self.gathers and policy.gather_dtype is not None and self.extension is None
+                and self.compute_dtype.is_floating_point):
+            self._check_quantized_supported(policy.gather_dtype)
+            self.quantized = QuantizedGather(self.params, policy.gather_dtype, self.compute_dtype, device,
+                                             self.process_group)
         self.unsharded = (
             FlatBuffer(self.layout.total_numel, self.compute_dtype, device, allocated=True, pool=pool)
             if self.gathers and self.extension is None
@@ -313,5 +322,20 @@ class ParamGroup(WeightPath, GradientPath):
                 raise NotImplementedError(
                     f"fully_shard: parameters with FSDP2 all-gather hooks ({name}: {[r.fqn for r in self.refs]}) "
                     f"are not supported with {what}"
+                )
+
+    def _check_quantized_supported(self, dtype: torch.dtype) -> None:
+        """Refuse what the float8 gather (``gather_dtype``) is not built for, naming it."""
+        unsupported = [
+            (any(r.tp is not None for r in self.refs), "torch-native tensor parallelism"),
+            (self.offload is not None, "CPU offload"),
+            (self.post_forward is not None, "reshard_after_forward=<int>"),
+            (self.outer is not None, "HSDP outer_sharding_strategy='optim'"),
+        ]
+        for refused, what in unsupported:
+            if refused:
+                raise NotImplementedError(
+                    f"fully_shard: MixedPrecisionPolicy(gather_dtype={dtype}) is not supported with {what} "
+                    f"(parameters {[r.fqn for r in self.refs]})"
                 )
 
