@@ -12,7 +12,8 @@ A parameter of a group has (docs/design.md section 3):
 The group's collectives and gradient bookkeeping stay with the group
 (``core/param_group.py``, ``core/group_weights.py``, ``core/group_grads.py``); this class
 holds what is one parameter's alone, as PyTorch FSDP2's ``FSDPParam`` does, and is where
-a tensor subclass's all-gather hooks are looked up (``core/gather_hooks.py``).
+a tensor subclass's all-gather hooks are called (``pre_all_gather``, ``post_all_gather``;
+the group's payload buffer is ``core/gather_extension.py``).
 """
 
 from __future__ import annotations
