@@ -30,3 +30,6 @@ $PIP install -q -e ".[test,training]"
 # megatron-core, beside (not in) the test environment: tests/distributed/mcore/test_mcore_adapter.py runs the
 # adapter against it in a separate process, while the rest of the suite proves we work without it.
 $PIP install -q --no-deps --target .venv/extras/mcore megatron-core==0.16.1
+# torchao for the float8 all-gather tests (tests/distributed/core/test_float8.py, which skip without it). --no-deps:
+# it needs only torch; its CUDA kernels fail to load on CPU (a warning) and float8 training runs without them.
+$PIP install -q --no-deps "torchao==0.18.0" || echo "setup: torchao not installed; the float8 tests will skip"

@@ -449,7 +449,10 @@ def broadcast(
     return pending
 
 
-def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup, *, comm: CommConfig = DEFAULT_COMM) -> None:
-    """Element-wise maximum of ``tensor`` over ``group``, in place, waited for (control rounds)."""
-    comm.record("control", tensor)
+def all_reduce_max(
+    tensor: torch.Tensor, group: dist.ProcessGroup, *, comm: CommConfig = DEFAULT_COMM, kind: str = "control"
+) -> None:
+    """Element-wise maximum of ``tensor`` over ``group``, in place, waited for (control rounds; the
+    scales of a quantized all-gather, counted as ``kind``)."""
+    comm.record(kind, tensor)
     on_aliases(dist.all_reduce, tensor, op=dist.ReduceOp.MAX, group=group, async_op=True).wait()

@@ -114,7 +114,7 @@ def _materialize_module(module, own, init_fn, done) -> None:
     saved = module._parameters.copy()
     fulls = []
     for name, group, index in own:
-        full = torch.empty(group.global_shape(index), dtype=group.dtype, device=group.device)
+        full = torch.empty(group.params[index].global_shape, dtype=group.dtype, device=group.device)
         module._parameters[name] = nn.Parameter(full, requires_grad=group.refs[index].param.requires_grad)
         fulls.append(full)
     try:
@@ -128,7 +128,7 @@ def _materialize_module(module, own, init_fn, done) -> None:
                 spec = group.refs[index].tp
                 if spec is not None:  # the global value: the same on every TP rank, which keeps its slice
                     broadcast(full, 0, spec.mesh.get_group(0), comm=group.comm).wait()
-                group.fill_param(index, full)
+                group.params[index].fill(full)
                 if len(group.refs[index].uses) > 1:
                     done.add(key)
     finally:

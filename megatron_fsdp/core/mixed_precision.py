@@ -16,6 +16,12 @@ Roles (Megatron-FSDP's names in brackets, FSDP2's in parentheses):
   ``None`` leaves them. (FSDP2: the same.)
 - ``cast_forward_inputs``: cast floating-point forward inputs of every unit to
   ``param_dtype``. (FSDP2: the same.)
+- ``gather_dtype``: a float8 dtype (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``)
+  the ZeRO-3 weight all-gather moves, 1 byte per element: each parameter's rows are
+  scaled by one factor agreed across the shard group (``max / amax`` of the whole
+  parameter), cast, gathered and dequantized to ``param_dtype`` (``core/quantized_gather.py``);
+  the main weights stay as they are. ``None``: the gather moves ``param_dtype``. (FSDP2: none;
+  torchao's float8 weights do it through tensor-subclass hooks, which work here too.)
 
 ``resolve_mp_policy`` accepts ours or PyTorch's
 ``torch.distributed.fsdp.MixedPrecisionPolicy`` and returns ours (``from_fsdp2``).
@@ -31,6 +37,7 @@ import torch.distributed.fsdp as torch_fsdp
 from torch.utils._pytree import tree_map
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # PyTorch's FSDP2 policy (torch >= 2.4); None where this torch has no FSDP2.
 TorchMixedPrecisionPolicy: type | None = getattr(torch_fsdp, "MixedPrecisionPolicy", None)
 
@@ -43,8 +50,12 @@ class MixedPrecisionPolicy:
     grad_comm_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
     output_dtype: torch.dtype | None = None
+    gather_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
+        if self.gather_dtype is not None and self.gather_dtype not in _FLOAT8:
+            valid = ", ".join(str(d) for d in _FLOAT8)
+            raise ValueError(f"MixedPrecisionPolicy.gather_dtype={self.gather_dtype!r} is not a float8 dtype ({valid})")
         for name in ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype", "output_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _FLOATS:

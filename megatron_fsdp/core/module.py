@@ -148,7 +148,7 @@ class FSDPModule(TorchFSDPModule):
                 return group.applied(index, tensor, fn(tensor.to_local()))
             if id(tensor) in grads:
                 group, index = grads[id(tensor)]
-                return group.as_dtensor(index, fn(tensor.to_local()))
+                return group.params[index].as_dtensor(fn(tensor.to_local()))
             return fn(tensor)
 
         # past torch's FSDPModule._apply (FSDP2's own resharding) to the original class's

@@ -40,9 +40,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp.comm.collectives import Pending, all_reduce_max
+from megatron_fsdp.core.group_grads import PendingReduce
+from megatron_fsdp.core.param_group import ParamGroup
 
-if TYPE_CHECKING:
-    from megatron_fsdp.core.param_group import ParamGroup, PendingReduce
+if TYPE_CHECKING:  # the unit owns the schedule (through its RootState): annotations only
     from megatron_fsdp.core.unit import FSDPUnit
 
 

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import OffloadPolicy
 
 from megatron_fsdp.core import step_guard
+from megatron_fsdp.core.fsdp_param import ParamRef, gather_extension
 from megatron_fsdp.core.grad_scaling import resolve_grad_scaling
 from megatron_fsdp.core.lookup import units_of
 from megatron_fsdp.core.meta_init import META_BUFFERS
@@ -25,7 +26,7 @@ from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy, resolve_mp_
 from megatron_fsdp.core.module import FSDPModule, make_fsdp_module
 from megatron_fsdp.core.offload import resolve_offload_policy
 from megatron_fsdp.core.options import EngineOptions, resolve_options
-from megatron_fsdp.core.param_group import ParamGroup, ParamRef, flat_alignment
+from megatron_fsdp.core.param_group import ParamGroup, flat_alignment
 from megatron_fsdp.core.post_forward_shard import check_post_forward_size, post_forward_mesh
 from megatron_fsdp.core.unit import FSDPUnit
 from megatron_fsdp.core.validation import (
@@ -239,17 +240,22 @@ def shard_module(
         plan = STRATEGIES["no_shard"]
 
     unit = FSDPUnit(modules[0], plan, reshard_after_forward, scaling, mp_policy, options, others=modules[1:])
-    by_kind: dict[tuple[torch.dtype, bool, bool], list[ParamRef]] = {}
+    # Parameters whose class defines FSDP2's all-gather hooks (torchao's float8 weights) get a group
+    # each: their gather moves the hooks' payload (core/gather_extension.py), and a hook works on
+    # this rank's rows (torchao: their amax), which a buffer shared with others could leave empty.
+    by_kind: dict[tuple[torch.dtype, bool, bool, type | None], list[ParamRef]] = {}
     for ref in refs:
-        by_kind.setdefault((ref.param.dtype, ref.param.requires_grad, ref.replicated), []).append(ref)
+        kind = (ref.param.dtype, ref.param.requires_grad, ref.replicated, gather_extension(ref.param))
+        by_kind.setdefault(kind, []).append(ref)
     unit.groups = [
         ParamGroup(
             part, dp_mesh, STRATEGIES["no_shard"] if replicated else plan, device, unit.on_grads_ready, mp_policy,
             comm=unit.comm, pool=unit.pool, spares=unit.spares, offload=offload,
             post_forward=None if replicated else post_forward,
         )
-        for (_, _, replicated), group in by_kind.items()
-        for part in ([group] if replicated else _split_for_padding(group, plan, dp_mesh, mp_policy))
+        for (_, _, replicated, extension), group in by_kind.items()
+        for part in ([group] if replicated else [[ref] for ref in group] if extension is not None
+                     else _split_for_padding(group, plan, dp_mesh, mp_policy))
     ]
     for group in unit.groups:  # lets optimizer wrappers and grad-norm code find the engine from a parameter
         for param in group.sharded_params:

@@ -17,10 +17,10 @@ import torch
 from torch.autograd import Variable
 
 from megatron_fsdp.comm.profiling import REDUCE_WAIT, trace_range
+from megatron_fsdp.core.group_grads import PendingReduce
 from megatron_fsdp.core.schedule import CollectiveSchedule
 
-if TYPE_CHECKING:
-    from megatron_fsdp.core.param_group import PendingReduce
+if TYPE_CHECKING:  # the unit owns its RootState: annotations only
     from megatron_fsdp.core.unit import FSDPUnit
 
 LANDING_WAIT_S = 0.05

@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from megatron_fsdp.core.param_group import GroupState, ParamGroup
-from megatron_fsdp.core.unit import TrainingState
-
-if TYPE_CHECKING:
-    from megatron_fsdp.core.unit import FSDPUnit
+from megatron_fsdp.core.group_weights import GroupState
+from megatron_fsdp.core.param_group import ParamGroup
+from megatron_fsdp.core.unit import FSDPUnit, TrainingState
 
 _UNITS: weakref.WeakSet[FSDPUnit] = weakref.WeakSet()
 _HANDLE: RemovableHandle | None = None

@@ -310,7 +310,7 @@ class FSDPUnit:
         """
         assign = bool((local_metadata or {}).get("assign_to_params_buffers", False))
         for group, index, key in self._state_keys(module, state_dict, prefix):
-            state_dict[key] = group.loadable(index, state_dict[key], key)
+            state_dict[key] = group.params[index].loadable(state_dict[key], key, group.dtype)
             if assign:
                 param = group.sharded_params[index]
                 with torch.no_grad():

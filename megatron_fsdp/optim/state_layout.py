@@ -51,8 +51,8 @@ def restore_state_layout(optimizer: torch.optim.Optimizer) -> int:
                 value = state[key]
                 if not isinstance(value, DTensor) or value.shape != param.shape:
                     continue  # `step` and other scalars
-                if not param_group.in_our_layout(index, value):
-                    state[key] = param_group.relayout(index, value, value.dtype)
+                if not param_group.params[index].in_our_layout(value):
+                    state[key] = param_group.params[index].relayout(value, value.dtype)
                     fixed += 1
     return fixed
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 from megatron_fsdp import MixedPrecisionPolicy, comm_stats, fully_shard, microbatch
 from megatron_fsdp.core.lookup import units_of
+from megatron_fsdp.core.quantized_gather import dequantize, error_bound, quantization_scale, quantize
 from tests.distributed.core.accumulation_checks import groups_of
 from tests.distributed.core.engine_checks import expect_error, shard_net, world
 from tests.distributed.harness import check
@@ -145,3 +148,83 @@ def policy_validation() -> None:
     expect_error(TypeError, "MixedPrecisionPolicy", fully_shard, Block(), mp_policy="bf16")
     dtypes = MixedPrecisionPolicy(param_dtype=torch.bfloat16, grad_comm_dtype=torch.bfloat16).dtypes_for(torch.float32)
     assert dtypes == (torch.bfloat16, torch.float32, torch.float32, torch.bfloat16)
+
+
+F8 = MixedPrecisionPolicy(gather_dtype=torch.float8_e4m3fn)
+BF16_F8 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, gather_dtype=torch.float8_e4m3fn)
+
+
+def record_forward_weights(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """Every parameter's value as its module computes with it, at each forward of the module."""
+    seen: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+
+    def record(module: torch.nn.Module, _args: tuple) -> None:
+        for name, p in module._parameters.items():
+            if p is not None:
+                seen.append((module, name, p.detach().clone()))
+
+    for module in model.modules():
+        if any(p is not None for p in module._parameters.values()):
+            module.register_forward_pre_hook(record)  # after fully_shard's: the gathered weights
+    return seen
+
+
+@check(SUITE)
+def float8_gather_dtype_error_and_bytes() -> None:
+    """gather_dtype=float8_e4m3fn: the weights a module computes with are exactly the per-tensor
+    quantize/dequantize of the fp32 main weights (scale agreed over the whole parameter, zero-row
+    pieces included), within the stated float8 bound; the all-gather moves a quarter of fp32's bytes
+    and half of bf16's, plus 4 bytes per parameter per gather for the scales."""
+    rank, n = world()
+    torch.manual_seed(0)
+    base = Net()
+    for plain, quantized, itemsize in ((None, F8, 4), (BF16, BF16_F8, 2)):
+        runs = {}
+        for policy in (plain, quantized):
+            model = shard_net(copy.deepcopy(base), "optim_grads_params", mp_policy=policy)
+            main = {(id(m), k): p for m in model.modules() for k, p in m._parameters.items() if p is not None}
+            seen = record_forward_weights(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses, nbytes, calls = [], {}, {}
+            for step in range(3):
+                comm_stats.reset()
+                seen.clear()
+                loss = loss_fn(model, local_batch(step, rank, n))
+                loss.backward()
+                nbytes, calls = nbytes or dict(comm_stats.bytes), calls or dict(comm_stats.calls)
+                if policy is quantized:  # before the step changes the main weights
+                    for module, name, value in seen:
+                        full = main[(id(module), name)].full_tensor()
+                        scale = quantization_scale(full.abs().max(), torch.float8_e4m3fn)
+                        expected = dequantize(quantize(full, scale, torch.float8_e4m3fn), scale, value.dtype)
+                        assert torch.equal(value, expected), f"step {step} {name}"
+                        bound = error_bound(full, scale, torch.float8_e4m3fn)
+                        assert ((value.float() - full).abs() <= bound).all(), f"step {step} {name}"
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach().float())
+            assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 main weights
+            runs[policy] = (model, torch.stack(losses), nbytes, calls)
+        (model, q_losses, q_bytes, q_calls), (_, p_losses, p_bytes, _) = runs[quantized], runs[plain]
+        assert q_bytes["all_gather"] * itemsize == p_bytes["all_gather"], (q_bytes, p_bytes)
+        # One scale all-reduce (4 bytes per parameter of the group) per all-gather: at most 4 bytes per
+        # parameter per gather of the unit's largest group.
+        assert q_calls["all_gather_scale"] == q_calls["all_gather"], q_calls
+        most = max(len(g.params) for unit in units_of(model) for g in unit.groups)
+        assert 0 < q_bytes["all_gather_scale"] <= 4 * most * q_calls["all_gather"], q_bytes
+        assert torch.isfinite(q_losses).all()
+        if rank == 0:
+            rel = ((q_losses - p_losses).abs() / p_losses.abs()).tolist()
+            label = "bf16" if plain else "fp32"
+            print(f"gather_dtype=float8_e4m3fn vs {label} gathers, n={n}: all-gather bytes/step "
+                  f"{p_bytes['all_gather']} -> "
+                  f"{q_bytes['all_gather']} (+{q_bytes['all_gather_scale']} scale); relative loss difference "
+                  f"per step {[f'{r:.1e}' for r in rel]}")
+
+
+@check(SUITE, world_sizes=(2,))
+def float8_gather_dtype_refusals() -> None:
+    expect_error(ValueError, ("gather_dtype", "float8"), MixedPrecisionPolicy, gather_dtype=torch.bfloat16)
+    expect_error(NotImplementedError, ("gather_dtype", "CPU offload"), fully_shard, Net().blocks[0],
+                 mp_policy=F8, offload_policy=CPUOffloadPolicy())
+    dist.barrier()
