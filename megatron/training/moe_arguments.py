@@ -3,7 +3,9 @@
 ``--num-experts E`` replaces every layer's MLP with an MoE layer of ``E`` experts
 (``megatron_fsdp.parallel.moe``); ``--expert-model-parallel-size P`` spreads them over
 ``P`` ranks (Megatron's layout: consecutive ranks form an EP group), each expert sharded
-over the ``world / P`` ranks of its expert data-parallel group. docs/moe.md.
+over the ``world / P`` ranks of its expert data-parallel group. docs/moe.md. With
+megatron-core's model (``--model-provider mcore``) the layers are megatron-core's
+``MoELayer`` (router options, shared experts, both dispatchers: ``mcore_model.py``).
 """
 
 from __future__ import annotations
@@ -52,18 +54,33 @@ def validate_moe_args(args: argparse.Namespace, world_size: int, fail: Callable[
         fail(f"--moe-ffn-hidden-size must be positive, got {args.moe_ffn_hidden_size}")
     if not (math.isfinite(args.moe_aux_loss_coeff) and args.moe_aux_loss_coeff >= 0):
         fail(f"--moe-aux-loss-coeff must be a finite number >= 0, got {args.moe_aux_loss_coeff}")
+    mcore = args.model_provider == "mcore"
+    ours = " on this front-end's own GPT (--model-provider gpt)"
     unsupported = (
         (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1 (expert tensor parallelism is not "
          "built)"),
         (args.context_parallel_size > 1, "--context-parallel-size > 1"),
-        (args.model_provider == "mcore", "--model-provider mcore (use --model-provider gpt)"),
-        (args.calculate_per_token_loss, "--calculate-per-token-loss (the auxiliary loss is scaled per micro-batch)"),
+        (args.calculate_per_token_loss and not mcore, "--calculate-per-token-loss" + ours + " (its auxiliary loss is "
+         "scaled per micro-batch; megatron-core's model supports it)"),
     )
     for bad, what in unsupported:
         if bad:
             fail(f"--num-experts with {what} is not supported")
+    if mcore:
+        _check_mcore_moe_activation(args, fail)
     if ep > 1:
         if not args.use_megatron_fsdp:
             fail("--expert-model-parallel-size > 1 needs --use-megatron-fsdp: DDP would average different experts "
                  "across the expert-parallel ranks")
     args.expert_data_parallel_size = world_size // ep
+
+
+def _check_mcore_moe_activation(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
+    """megatron-core 0.16.1's experts fuse the bias-activation with the router's per-token probabilities only for
+    SwiGLU without bias: anything else raises at the first forward (on GPUs too). Stop here, naming the fix."""
+    if args.swiglu and args.add_bias_linear:
+        fail("--num-experts with megatron-core's model, --swiglu and biases: megatron-core's fused weighted SwiGLU "
+             "has no bias; pass --disable-bias-linear")
+    if not args.swiglu and args.bias_gelu_fusion:
+        fail("--num-experts with megatron-core's model and GeLU experts: megatron-core fuses the bias-GeLU only "
+             "without the router's per-token probabilities; pass --no-bias-gelu-fusion (the same numbers, unfused)")
