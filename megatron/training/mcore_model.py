@@ -71,6 +71,15 @@ def mcore_blockers(args: argparse.Namespace) -> list[str]:
             and importlib.util.find_spec("apex") is None):
         blockers.append("--sequence-parallel: megatron-core's local layer spec without Apex norms uses torch's "
                         "LayerNorm, which megatron-core refuses under sequence parallelism")
+    if args.num_experts:
+        # megatron-core 0.16.1's experts fuse the bias-activation with the router's per-token probabilities only
+        # for SwiGLU without bias: anything else raises at the first forward (on GPUs too).
+        if args.swiglu and _arg(args, "add_bias_linear", True):
+            blockers.append("--num-experts with --swiglu and biases: megatron-core's fused weighted SwiGLU has no "
+                            "bias (pass --disable-bias-linear)")
+        elif not args.swiglu and _arg(args, "bias_gelu_fusion", True):
+            blockers.append("--num-experts with GeLU experts: megatron-core fuses the bias-GeLU only without the "
+                            "router's per-token probabilities (pass --no-bias-gelu-fusion: the same numbers, unfused)")
     if _arg(args, "multi_latent_attention", False):
         blockers.append("--multi-latent-attention: megatron-core's local layer spec has no core attention for "
                         "MLA's head sizes on CPU")
@@ -157,8 +166,14 @@ def transformer_config_from_args(args: argparse.Namespace):
 
 
 def _layer_spec(args: argparse.Namespace, config):
-    """Megatron-LM's layer-spec choice (gpt_builders.py) for the dense model."""
+    """Megatron-LM's layer-spec choice (gpt_builders.py): with --num-experts a block spec of dense and MoE layers
+    by --moe-layer-freq, else one layer spec."""
     from megatron.core.models.gpt import gpt_layer_specs
+
+    if args.num_experts:
+        return gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=config.transformer_impl == "transformer_engine",
+            normalization=args.normalization)
 
     common = dict(num_experts=args.num_experts, moe_grouped_gemm=config.moe_grouped_gemm,
                   qk_layernorm=_arg(args, "qk_layernorm", False),

@@ -49,7 +49,7 @@ class McoreMoE:
         return cls(args, module)
 
     def set_aux_loss_scale(self, scale: float, device: torch.device) -> None:
-        """The gradient of every auxiliary loss of the next backward: ``scale`` (Megatron's loss scale / micro-batches)."""
+        """Every auxiliary loss of the next backward gets gradient ``scale`` (Megatron: loss scale / micro-batches)."""
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, dtype=torch.float32, device=device))

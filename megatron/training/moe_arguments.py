@@ -66,21 +66,9 @@ def validate_moe_args(args: argparse.Namespace, world_size: int, fail: Callable[
     for bad, what in unsupported:
         if bad:
             fail(f"--num-experts with {what} is not supported")
-    if mcore:
-        _check_mcore_moe_activation(args, fail)
     if ep > 1:
         if not args.use_megatron_fsdp:
             fail("--expert-model-parallel-size > 1 needs --use-megatron-fsdp: DDP would average different experts "
                  "across the expert-parallel ranks")
     args.expert_data_parallel_size = world_size // ep
 
-
-def _check_mcore_moe_activation(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
-    """megatron-core 0.16.1's experts fuse the bias-activation with the router's per-token probabilities only for
-    SwiGLU without bias: anything else raises at the first forward (on GPUs too). Stop here, naming the fix."""
-    if args.swiglu and args.add_bias_linear:
-        fail("--num-experts with megatron-core's model, --swiglu and biases: megatron-core's fused weighted SwiGLU "
-             "has no bias; pass --disable-bias-linear")
-    if not args.swiglu and args.bias_gelu_fusion:
-        fail("--num-experts with megatron-core's model and GeLU experts: megatron-core fuses the bias-GeLU only "
-             "without the router's per-token probabilities; pass --no-bias-gelu-fusion (the same numbers, unfused)")
