@@ -57,8 +57,9 @@ def validate_moe_args(args: argparse.Namespace, world_size: int, fail: Callable[
     mcore = args.model_provider == "mcore"
     ours = " on this front-end's own GPT (--model-provider gpt)"
     unsupported = (
-        (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1 (expert tensor parallelism is not "
-         "built)"),
+        (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1 (our GPT has no expert tensor "
+         "parallelism; megatron-core's MoELayer trains under TP only with --sequence-parallel, which its local "
+         "layer spec refuses without Apex or TransformerEngine)"),
         (args.context_parallel_size > 1, "--context-parallel-size > 1"),
         (args.calculate_per_token_loss and not mcore, "--calculate-per-token-loss" + ours + " (its auxiliary loss is "
          "scaled per micro-batch; megatron-core's model supports it)"),
