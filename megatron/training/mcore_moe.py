@@ -10,7 +10,7 @@ loop around it must
   itself scaling by the local token count);
 - after the gradient reduction, update the routers' expert bias
   (``--moe-router-enable-expert-bias``) from the tokens each expert received over
-  the TP x DP ranks, as ``finalize_model_grads`` does;
+  the TP x DP ranks in this step, and reset those counts, as ``finalize_model_grads`` does;
 - read the tracker once per iteration, as ``training_log`` does through
   ``track_moe_metrics`` (reduced over the ranks, scaled by ``1 / num_microbatches``,
   averaged over the MoE layers), for the log line's ``load_balancing_loss``.
@@ -54,13 +54,18 @@ class McoreMoE:
 
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, dtype=torch.float32, device=device))
 
-    def update_expert_bias(self) -> None:
-        """``finalize_model_grads``' expert-bias update (tokens per expert all-reduced over TP x CP x DP)."""
-        if not self.config.moe_router_enable_expert_bias:
-            return
-        from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+    def finish_step(self) -> None:
+        """``finalize_model_grads``' MoE part: the expert-bias update (tokens per expert all-reduced over
+        TP x CP x DP), then its reset of the routers' per-step counters (tokens per expert, the global
+        aux loss's token counts), so that each step's update sees only that step's tokens."""
+        from megatron.core.distributed.finalize_model_grads import (
+            _update_router_expert_bias,
+            reset_model_temporary_tensors,
+        )
 
-        _update_router_expert_bias([self.module], self.config)
+        if self.config.moe_router_enable_expert_bias:
+            _update_router_expert_bias([self.module], self.config)
+        reset_model_temporary_tensors(self.config, [self.module])
 
     def losses(self, num_microbatches: int) -> dict[str, float]:
         """This iteration's tracked MoE losses (``load_balancing_loss`` ...), as Megatron's log line has them.

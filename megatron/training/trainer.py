@@ -174,7 +174,7 @@ class Trainer:
             totals += torch.stack([masked, tokens, masked / tokens.clamp(min=1.0)])
         backend.finish_grad_sync()
         if mcore_moe is not None:
-            mcore_moe.update_expert_bias()
+            mcore_moe.finish_step()
         dist.all_reduce(totals, group=backend.layout.dp_group)  # TP ranks of one DP rank hold the same losses
         total_sum, total_tokens, total_means = totals.tolist()
         if config.calculate_per_token_loss:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel as McoreDDP
 from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias, reset_model_temporary_tensors
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
@@ -41,7 +41,7 @@ from megatron.training.mcore_model import initialize_mcore_parallel, mcore_gpt_m
 from megatron.training.model_setup import build_adamw, pad_vocab_size
 from megatron_fsdp import FSDPModule, microbatch
 from megatron_fsdp.mcore import FullyShardedDataParallel
-from tests.distributed.harness import check
+from tests.distributed.harness import check, shared_tmpdir
 
 SUITE = "mcore_model"
 STEPS = 6
@@ -312,6 +312,14 @@ def cpu_compat_patches_fit_the_installed_megatron_core() -> None:
         with tensor_parallel.get_cuda_rng_tracker().fork():
             drawn = torch.rand(4)
         assert torch.equal(drawn, torch.rand(4, generator=torch.Generator().manual_seed(seed + 2718 + tp_rank)))
+        from megatron.core.transformer.moe import token_dispatcher
+
+        stream = token_dispatcher.torch.cuda.Stream()  # the alltoall dispatcher's side stream: a CPU stand-in
+        with token_dispatcher.torch.cuda.stream(stream):
+            stream.wait_stream(token_dispatcher.torch.cuda.current_stream())
+        stream.record_event().synchronize()
+        splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 5]), as_numpy=True)
+        assert splits.tolist() == [3, 5] and not torch.is_tensor(splits), "split sizes as a host array"
 
 
 @check(SUITE, world_sizes=(2,))
@@ -486,7 +494,8 @@ def _megatron_core_ddp_moe_reference(args, initial: dict) -> tuple[dict, dict, d
             masked, tokens = masked.detach().double(), tokens.double()
             totals += torch.stack([masked, tokens, masked / tokens.clamp(min=1.0)])
         model.finish_grad_sync()
-        _update_router_expert_bias([module], module.config)  # finalize_model_grads
+        _update_router_expert_bias([module], module.config)  # finalize_model_grads' MoE part
+        reset_model_temporary_tensors(module.config, [module])
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
         losses[it] = totals[2].item() / (n * dp_size)
         tracked = {}
@@ -508,7 +517,8 @@ def pretrain_gpt_megatron_core_moe_equals_megatron_core_ddp(dispatcher: str) -> 
     expert bias, grouped GEMM's CPU substitute, a dense first layer), trained by our engine, equals Megatron-LM's
     loop over megatron-core DDP: every iteration's lm loss and load_balancing_loss, every parameter and router
     expert bias after 4 AdamW steps of 2 micro-batches each (bitwise at 2 ranks; at 4, losses within 1e-6 and
-    parameters within ``ADAM_ATOL``)."""
+    parameters within ``ADAM_ATOL``); saved at 2 and resumed, the run continues bitwise (the expert bias is in
+    the checkpoint; the routers' token counts are per step)."""
     world = dist.get_world_size()
     argv = [*PRETRAIN_MOE, "--global-batch-size", str(4 * world), "--moe-token-dispatcher-type", dispatcher]
     try:
@@ -539,6 +549,14 @@ def pretrain_gpt_megatron_core_moe_equals_megatron_core_ddp(dispatcher: str) -> 
             else:  # measured: up to 1.4e-7 (1.4e-5 of the learning rate), on 1 of 384 elements
                 torch.testing.assert_close(value, reference[name], rtol=1e-6, atol=ADAM_ATOL,
                                            msg=lambda m, n=name: f"{n}: {m}")
+        if dispatcher == "alltoall":  # the checkpoint holds the routers' expert bias: a resume continues bitwise
+            with shared_tmpdir() as root:
+                ckpt = ["--ckpt-format", "fsdp_dtensor", "--save", root, "--save-interval", "2"]
+                _pretrain_capturing([*argv, *ckpt, "--exit-interval", "2"])
+                resumed, _, _, _ = _pretrain_capturing([*argv, *ckpt, "--load", root])
+            for it in (3, 4):
+                assert resumed.losses[it] == run.losses[it], (it, resumed.losses, run.losses)
+                assert resumed.moe_losses[it] == run.moe_losses[it], (it, resumed.moe_losses, run.moe_losses)
     finally:
         parallel_state.destroy_model_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
