@@ -24,6 +24,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel as McoreDDP
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias, reset_model_temporary_tensors
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
@@ -297,7 +298,8 @@ def cpu_compat_patches_fit_the_installed_megatron_core() -> None:
         assert "megatron-core 0.17.0 is installed; these patches are for 0.16.1" in compat.stale_patches()[0]
     finally:
         compat.installed_version = real
-    if not torch.cuda.is_available():  # applied (by the model builds above): what megatron-core now calls
+    if not torch.cuda.is_available():  # applied (with parallel_state, as a model build does): what megatron-core calls
+        initialize_mcore_parallel(model_args(), seed=1)
         from megatron.core.fusions import fused_softmax
 
         mask = fused_softmax.get_default_causal_mask(3)
@@ -531,6 +533,8 @@ def pretrain_gpt_megatron_core_moe_equals_megatron_core_ddp(dispatcher: str) -> 
         layers = [type(layer.mlp) for layer in module.decoder.layers]
         assert layers[0] is not MoELayer and layers[1] is MoELayer and layers[2] is MoELayer, layers
         assert module.decoder.layers[1].mlp.shared_experts is not None
+        experts = module.decoder.layers[1].mlp.experts
+        assert isinstance(experts, SequentialMLP), f"--moe-grouped-gemm on CPU: SequentialMLP, got {type(experts)}"
         args = get_args()
         reference, ref_losses, ref_moe = _megatron_core_ddp_moe_reference(args, initial)
         iterations = sorted(run.losses)
