@@ -15,6 +15,9 @@ How each CUDA call is redirected:
   bound to ``_CPUTorch``, which is torch except that ``torch.cuda.current_device()``
   answers ``"cpu"`` (torch itself is not touched);
 - the causal masks allocated on ``device="cuda"``: CPU versions of the two functions;
+- the alltoall token dispatcher's side stream (``torch.cuda.Stream``, ``current_stream``,
+  ``stream``): one CPU stand-in stream whose waits are no-ops and whose events have completed
+  (CPU work is synchronous), through the same ``torch`` binding;
 - ``moe_utils.te_general_gemm``, bound only when TransformerEngine imports: ``None``;
 - the RNG tracker (``tensor_parallel/random.py``): its states become CPU generator
   states, so ``model_parallel_cuda_manual_seed`` seeds one per TP rank (seed + 2718
@@ -26,6 +29,7 @@ This is front-end code (the library never patches megatron-core); docs/megatron.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import types
@@ -38,8 +42,46 @@ MCORE_VERSION = "0.16.1"  # the release every patch below was written against
 _applied = False
 
 
+class _CPUEvent:
+    """A CUDA event on CPU: CPU work is done when it returns, so every event has completed."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CPUStream:
+    """A CUDA stream on CPU: one ordered stream of work, so waits are no-ops and events are complete."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> _CPUEvent:
+        return event if event is not None else _CPUEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_CURRENT_STREAM = _CPUStream()
+
+
 class _CPUCuda:
-    """``torch.cuda`` as seen by a patched megatron-core module: the CPU is the current device."""
+    """``torch.cuda`` as seen by a patched megatron-core module: the CPU is the current device and stream."""
 
     def __getattr__(self, name: str):
         return getattr(torch.cuda, name)
@@ -51,6 +93,18 @@ class _CPUCuda:
     # tensor_parallel/random.py seeds and reads "the" generator: on CPU that is the default CPU generator.
     get_rng_state = staticmethod(torch.get_rng_state)
     manual_seed = staticmethod(torch.manual_seed)
+
+    # The alltoall token dispatcher's device-to-host side stream (token counts for the all-to-all's splits).
+    Stream = _CPUStream
+    Event = _CPUEvent
+
+    @staticmethod
+    def current_stream(device=None) -> _CPUStream:
+        return _CURRENT_STREAM
+
+    @staticmethod
+    def stream(stream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
 
 class _CPUTorch(types.ModuleType):
@@ -94,6 +148,14 @@ def _cpu_sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Ten
     return ~torch.tril(upper, diagonal=skv - sq + window_size[1])
 
 
+def _cpu_maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` on CPU: the tensor is on the host already, and ``as_numpy`` still
+    turns the alltoall dispatcher's split sizes into the host arrays ``all_to_all_single`` takes."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 class _DropForkWarning(logging.Filter):
     """random.py's fork() warns when the CPU generator moved inside it: on CPU that is the tracked state moving."""
 
@@ -129,8 +191,8 @@ def _torch_patch(module: str, path: str, lines: tuple[int, ...]) -> Patch:
 PATCHES: tuple[Patch, ...] = (
     # GlobalMemoryBuffer.get_tensor allocates on the current CUDA device (sequence-parallel gathers).
     _torch_patch("megatron.core.utils", "utils.py", (631,)),
-    # Sequence-parallel gather / reduce-scatter outputs.
-    _torch_patch("megatron.core.tensor_parallel.mappings", "tensor_parallel/mappings.py", (91, 141, 148, 181)),
+    # Sequence-parallel gather / reduce-scatter outputs; the MoE alltoall dispatcher's all-to-all output.
+    _torch_patch("megatron.core.tensor_parallel.mappings", "tensor_parallel/mappings.py", (91, 141, 148, 181, 442)),
     # LinearWithGradAccumulationAndAsyncCommunication's sequence-parallel all-gather buffer.
     _torch_patch("megatron.core.tensor_parallel.layers", "tensor_parallel/layers.py", (552,)),
     # megatron-core DDP's contiguous param and grad buffers.
@@ -141,6 +203,14 @@ PATCHES: tuple[Patch, ...] = (
                  "models/common/embeddings/rotary_pos_embedding.py", (162,)),
     # MoE: the router moves a CPU-resident gate to the current CUDA device, and allocates its aux-loss state there.
     _torch_patch("megatron.core.transformer.moe.router", "transformer/moe/router.py", (90, 92, 169, 178, 192, 198)),
+    # MoE alltoall dispatcher: a torch.cuda.Stream built at construction, and the side-stream copy of the token
+    # counts to the host (already on the host here: maybe_move_tensor_to_cpu leaves CPU tensors as they are).
+    Patch("megatron.core.transformer.moe.token_dispatcher", "torch", "transformer/moe/token_dispatcher.py",
+          (445, 871, 873, 874), "torch.cuda.", _CPU_TORCH),
+    # ... and its host copies of the split sizes: CUDA tensors only (`tensor.is_cuda`), so on CPU they stayed
+    # tensors, which all_to_all_single refuses as split sizes.
+    Patch("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
+          "transformer/moe/moe_utils.py", (1093,), "tensor.is_cuda", _cpu_maybe_move_tensor_to_cpu),
     # moe_utils.py binds te_general_gemm only inside its TransformerEngine `try` (megatron-core 0.16.1 bug): without
     # TE the router's gating linear raises NameError. None is what its own `if te_general_gemm is not None` expects.
     Patch("megatron.core.transformer.moe.moe_utils", "te_general_gemm", "transformer/moe/moe_utils.py", (1192,),

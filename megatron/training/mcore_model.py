@@ -30,7 +30,8 @@ from .mcore_cpu_compat import MCORE_VERSION, apply_cpu_compat, cuda_absent
 
 # Fusion switches whose kernels exist only on CUDA (apex / TransformerEngine / megatron's CUDA extensions):
 # on CPU they are turned off, which changes no numbers of the fp32 path (the unfused code computes the same).
-CPU_OFF_FUSIONS = ("masked_softmax_fusion", "gradient_accumulation_fusion", "apply_rope_fusion", "persist_layer_norm")
+CPU_OFF_FUSIONS = ("masked_softmax_fusion", "gradient_accumulation_fusion", "apply_rope_fusion", "persist_layer_norm",
+                   "moe_permute_fusion")
 
 
 def _arg(args: argparse.Namespace, dest: str, default):
@@ -71,9 +72,14 @@ def mcore_blockers(args: argparse.Namespace) -> list[str]:
         blockers.append("--sequence-parallel: megatron-core's local layer spec without Apex norms uses torch's "
                         "LayerNorm, which megatron-core refuses under sequence parallelism")
     if args.num_experts:
-        blockers.append("--num-experts: megatron-core's MoE layer is not wired into this front-end yet (it runs "
-                        "under the engine with Megatron's allgather dispatcher, which --moe-token-dispatcher-type "
-                        "does not offer yet)")
+        # megatron-core 0.16.1's experts fuse the bias-activation with the router's per-token probabilities only
+        # for SwiGLU without bias: anything else raises at the first forward (on GPUs too).
+        if args.swiglu and _arg(args, "add_bias_linear", True):
+            blockers.append("--num-experts with --swiglu and biases: megatron-core's fused weighted SwiGLU has no "
+                            "bias (pass --disable-bias-linear)")
+        elif not args.swiglu and _arg(args, "bias_gelu_fusion", True):
+            blockers.append("--num-experts with GeLU experts: megatron-core fuses the bias-GeLU only without the "
+                            "router's per-token probabilities (pass --no-bias-gelu-fusion: the same numbers, unfused)")
     if _arg(args, "multi_latent_attention", False):
         blockers.append("--multi-latent-attention: megatron-core's local layer spec has no core attention for "
                         "MLA's head sizes on CPU")
@@ -145,21 +151,31 @@ def transformer_config_from_args(args: argparse.Namespace):
         kw["activation_func"] = squared_relu
     # Megatron: --num-query-groups counts only with --group-query-attention.
     kw["num_query_groups"] = args.num_query_groups if args.group_query_attention else None
+    balancing = kw.get("moe_router_load_balancing_type")
+    if isinstance(balancing, list) and len(balancing) == 1:  # Megatron's validate_args: one type is a string
+        kw["moe_router_load_balancing_type"] = balancing[0]
     if _arg(args, "rope_type", None) is None:
         kw.pop("rope_type", None)
     if cuda_absent():
         kw["use_cpu_initialization"] = True
         kw.update(dict.fromkeys(CPU_OFF_FUSIONS, False))
+        kw["moe_grouped_gemm"] = False  # grouped_gemm / TransformerEngine are CUDA-only: one matmul per expert
         # The fused bias-activation and bias-dropout-add are TorchScript: they run on CPU, left as asked.
     kw["transformer_impl"] = _arg(args, "transformer_impl", "local")
     return config_class(**{k: v for k, v in kw.items() if k in names})
 
 
 def _layer_spec(args: argparse.Namespace, config):
-    """Megatron-LM's layer-spec choice (gpt_builders.py) for the dense model."""
+    """Megatron-LM's layer-spec choice (gpt_builders.py): with --num-experts a block spec of dense and MoE layers
+    by --moe-layer-freq, else one layer spec."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    common = dict(num_experts=args.num_experts, moe_grouped_gemm=_arg(args, "moe_grouped_gemm", False),
+    if args.num_experts:
+        return gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=config.transformer_impl == "transformer_engine",
+            normalization=args.normalization)
+
+    common = dict(num_experts=args.num_experts, moe_grouped_gemm=config.moe_grouped_gemm,
                   qk_layernorm=_arg(args, "qk_layernorm", False),
                   multi_latent_attention=_arg(args, "multi_latent_attention", False))
     if config.transformer_impl == "transformer_engine":

@@ -215,7 +215,8 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
                            "is chosen by --model-provider here"),
     "--no-gradient-accumulation-fusion": ("no-op", _NO_FUSION),
     "--no-rope-fusion": ("no-op", _NO_FUSION),
-    "--no-bias-gelu-fusion": ("no-op", _NO_FUSION),
+    "--no-bias-gelu-fusion": ("no-op", _NO_FUSION + "; megatron-core's MoE with GeLU experts needs it (its fused "
+                             "bias-GeLU has no per-token scale: without it auto builds our GPT, naming the flag)"),
     "--attention-softmax-in-fp32": ("no-op", "attention is torch's scaled_dot_product_attention, whose softmax "
                                     "accumulates in fp32 for bf16 inputs already"),
     "--attention-backend": ("no-op", "auto, unfused, local: our attention is scaled_dot_product_attention; "
@@ -291,11 +292,12 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
     "--moe-router-dtype": ("effect", "fp32: our router already computes its logits and probabilities in fp32 "
                            "(accepted); fp64: " + _MCORE),
     "--moe-grouped-gemm": ("no-op", "experts compute one matmul each; a grouped GEMM (TransformerEngine or "
-                           "grouped_gemm on CUDA) gives the same numbers faster"),
+                           "grouped_gemm on CUDA) gives the same numbers faster; on CPU megatron-core's model builds "
+                           "its SequentialMLP in place of GroupedMLP (parameters local_experts.N.*, not weight1/2)"),
     "--moe-permute-fusion": ("no-op", _NO_FUSION),
     "--moe-token-dispatcher-type": ("effect", "allgather (Megatron's default) and alltoall: the same routing; our "
-                                    "dispatcher moves tokens by all-to-all over the expert-parallel group; flex "
-                                    "needs DeepEP and stops"),
+                                    "GPT's dispatcher moves tokens by all-to-all over the expert-parallel group; "
+                                    "megatron-core's model uses the dispatcher named; flex needs DeepEP and stops"),
     "--expert-tensor-parallel-size": ("effect", "1 (and the default, which is the TP size, itself 1 with MoE) is "
                                       "ours; other sizes stop (expert tensor parallelism is not built)"),
 }

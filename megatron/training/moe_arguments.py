@@ -3,7 +3,9 @@
 ``--num-experts E`` replaces every layer's MLP with an MoE layer of ``E`` experts
 (``megatron_fsdp.parallel.moe``); ``--expert-model-parallel-size P`` spreads them over
 ``P`` ranks (Megatron's layout: consecutive ranks form an EP group), each expert sharded
-over the ``world / P`` ranks of its expert data-parallel group. docs/moe.md.
+over the ``world / P`` ranks of its expert data-parallel group. docs/moe.md. With
+megatron-core's model (``--model-provider mcore``) the layers are megatron-core's
+``MoELayer`` (router options, shared experts, both dispatchers: ``mcore_model.py``).
 """
 
 from __future__ import annotations
@@ -52,12 +54,15 @@ def validate_moe_args(args: argparse.Namespace, world_size: int, fail: Callable[
         fail(f"--moe-ffn-hidden-size must be positive, got {args.moe_ffn_hidden_size}")
     if not (math.isfinite(args.moe_aux_loss_coeff) and args.moe_aux_loss_coeff >= 0):
         fail(f"--moe-aux-loss-coeff must be a finite number >= 0, got {args.moe_aux_loss_coeff}")
+    mcore = args.model_provider == "mcore"
+    ours = " on this front-end's own GPT (--model-provider gpt)"
     unsupported = (
-        (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1 (expert tensor parallelism is not "
-         "built)"),
+        (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1 (our GPT has no expert tensor "
+         "parallelism; megatron-core's MoELayer trains under TP only with --sequence-parallel, which its local "
+         "layer spec refuses without Apex or TransformerEngine)"),
         (args.context_parallel_size > 1, "--context-parallel-size > 1"),
-        (args.model_provider == "mcore", "--model-provider mcore (use --model-provider gpt)"),
-        (args.calculate_per_token_loss, "--calculate-per-token-loss (the auxiliary loss is scaled per micro-batch)"),
+        (args.calculate_per_token_loss and not mcore, "--calculate-per-token-loss" + ours + " (its auxiliary loss is "
+         "scaled per micro-batch; megatron-core's model supports it)"),
     )
     for bad, what in unsupported:
         if bad:
@@ -67,3 +72,4 @@ def validate_moe_args(args: argparse.Namespace, world_size: int, fail: Callable[
             fail("--expert-model-parallel-size > 1 needs --use-megatron-fsdp: DDP would average different experts "
                  "across the expert-parallel ranks")
     args.expert_data_parallel_size = world_size // ep
+

@@ -30,6 +30,7 @@ from .logging_utils import (
     training_log_line,
     validation_log_lines,
 )
+from .mcore_moe import McoreMoE
 from .nan_check import NAN_CAUSES, NonFiniteLossError, nan_error
 from .optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -49,6 +50,7 @@ class TrainingResult:
     final_test_loss: float | None = None
     params_norms: dict[int, float] = field(default_factory=dict)  # --log-params-norm, at logged iterations
     num_zeros: dict[int, int] = field(default_factory=dict)  # --log-num-zeros-in-grad
+    moe_losses: dict[int, dict[str, float]] = field(default_factory=dict)  # iteration -> load_balancing_loss ...
     exit_reason: str | None = None  # why training stopped before --train-iters, if it did
 
 
@@ -60,7 +62,8 @@ class StepResult:
     grad_norm: float
     stepped: bool
     num_zeros: int | None = None  # --log-num-zeros-in-grad
-    load_balancing_loss: float | None = None  # MoE: the auxiliary loss / coefficient, mean over layers
+    # MoE: each auxiliary loss / its coefficient, mean over layers (Megatron's load_balancing_loss ...)
+    moe_losses: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,15 +77,13 @@ class _LogWindow:
     loss_advanced: float = 0.0
     skipped: int = 0
     nan: int = 0
-    load_balancing: float = 0.0
-    has_load_balancing: bool = False
+    moe_losses: dict[str, float] = field(default_factory=dict)  # summed over the iterations that stepped
 
     def add(self, seconds: float, step: StepResult) -> None:
         self.seconds, self.iterations = self.seconds + seconds, self.iterations + 1
         self.loss_all += step.loss
-        if step.load_balancing_loss is not None:
-            self.has_load_balancing = True
-            self.load_balancing += step.load_balancing_loss if step.stepped else 0.0
+        for name, value in step.moe_losses.items():
+            self.moe_losses[name] = self.moe_losses.get(name, 0.0) + (value if step.stepped else 0.0)
         if step.stepped:
             self.advanced, self.loss_advanced = self.advanced + 1, self.loss_advanced + step.loss
         else:
@@ -93,10 +94,10 @@ class _LogWindow:
         return self.loss_advanced / self.advanced if self.advanced else self.loss_all / max(self.iterations, 1)
 
     def losses(self) -> dict[str, float]:
-        """The log line's losses: lm loss, and Megatron's MoE ``load_balancing_loss`` when there is one."""
+        """The log line's losses: lm loss, and Megatron's MoE ``load_balancing_loss`` (...) when there is one."""
         out = {"lm loss": self.mean_loss()}
-        if self.has_load_balancing and self.advanced:
-            out["load_balancing_loss"] = self.load_balancing / self.advanced
+        if self.advanced:
+            out.update({name: total / self.advanced for name, total in self.moe_losses.items()})
         return out
 
 
@@ -122,6 +123,7 @@ class Trainer:
         self.state, self.writer = state, writer
         self.device = backend.device
         self.result = TrainingResult(iteration=state.iteration)
+        self.mcore_moe = McoreMoE.for_model(args, backend.module)  # megatron-core's MoE layers' loop duties
 
     def _batch(self, data_iterator: Iterator[dict]) -> dict:
         """The next micro-batch on the device; with context parallelism this CP rank's tokens of it."""
@@ -147,10 +149,13 @@ class Trainer:
         # Python floats), read once per step: an .item() per micro-batch would make the CPU wait for every
         # backward and its reductions before queueing the next forward's gathers.
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-        moe = _moe_layers(model)
+        moe, mcore_moe = _moe_layers(model), self.mcore_moe
         balancing = torch.zeros((), dtype=torch.float64, device=self.device)
         for m in range(n):
             batch = self._batch(data_iterator)
+            if mcore_moe is not None:  # Megatron's: the aux losses' gradient scaled as the lm loss is
+                mcore_moe.set_aux_loss_scale(
+                    backend.summed_loss_factor() if config.calculate_per_token_loss else 1.0 / n, self.device)
             with backend.accumulation(is_first=m == 0, is_last=m == n - 1):
                 with backend.autocast():
                     losses, mask = self.forward_step(batch, model)
@@ -168,6 +173,8 @@ class Trainer:
             masked, tokens = masked_all.double(), tokens_all.double()
             totals += torch.stack([masked, tokens, masked / tokens.clamp(min=1.0)])
         backend.finish_grad_sync()
+        if mcore_moe is not None:
+            mcore_moe.finish_step()
         dist.all_reduce(totals, group=backend.layout.dp_group)  # TP ranks of one DP rank hold the same losses
         total_sum, total_tokens, total_means = totals.tolist()
         if config.calculate_per_token_loss:
@@ -177,15 +184,17 @@ class Trainer:
             loss = total_means / (n * backend.layout.dp_size)
         zeros = backend.num_zeros_in_grad() if self.args.log_num_zeros_in_grad else None
         norm = backend.clip_grad_norm(config.clip_grad if config.clip_grad > 0 else math.inf)
-        lb = None
+        moe_losses = {}
         if moe:  # the mean over data-parallel ranks, as Megatron reduces its tracker
             dist.all_reduce(balancing, group=backend.layout.dp_group)
-            lb = float(balancing) / backend.layout.dp_size
+            moe_losses["load_balancing_loss"] = float(balancing) / backend.layout.dp_size
+        elif mcore_moe is not None:
+            moe_losses = mcore_moe.losses(n)
         # loss and norm are global (all-reduced), so every rank takes the same branch
         if not math.isfinite(norm) or not math.isfinite(loss):
-            return StepResult(loss, norm, False, zeros, lb)
+            return StepResult(loss, norm, False, zeros, moe_losses)
         self.optimizer.step()
-        return StepResult(loss, norm, True, zeros, lb)
+        return StepResult(loss, norm, True, zeros, moe_losses)
 
     @torch.no_grad()
     def evaluate(self, data_iterator: Iterator[dict]) -> float:
@@ -299,6 +308,8 @@ class Trainer:
             self._write_scalars({"lm loss": step.loss, "grad-norm": step.grad_norm, "learning-rate": lr})
             if step.num_zeros is not None:
                 result.num_zeros[iteration] = step.num_zeros
+            if step.moe_losses:
+                result.moe_losses[iteration] = step.moe_losses
             if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
                 gc.collect()
             if iteration % config.log_interval == 0:

@@ -40,6 +40,7 @@ class Config:
     last_iteration: int = ITERS
     baseline_rtol: float | None = None  # against the baseline run of this test run; None: rtol
     own_flags: bool = False  # flags is the whole command line (Megatron-LM's configurations), without COMMON
+    mcore: bool = False  # megatron-core's GPTModel: run where megatron-core is importable (runner.py)
 
     @property
     def same_run_rtol(self) -> float:
@@ -147,10 +148,12 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
 
 
 def _mlm(name: str, world: int, megatron_name: str, *, rtol: float, suffix: str = "", extra: str = "",
-         baseline: str | None = None, first: int = 1, last: int = ITERS, baseline_rtol: float | None = None) -> Config:
-    """One of Megatron-LM's FSDP functional-test configurations scaled to CPU (megatron_lm_configs.py)."""
-    flags = cpu_scaled(megatron_name, "{ckpt}-" + megatron_name + suffix) + extra.split()
-    return Config(name, world, tuple(flags), rtol, baseline, first, last, baseline_rtol, own_flags=True)
+         baseline: str | None = None, first: int = 1, last: int = ITERS, baseline_rtol: float | None = None,
+         mcore: bool = False) -> Config:
+    """One of Megatron-LM's FSDP functional-test configurations scaled to CPU (megatron_lm_configs.py);
+    ``mcore``: with megatron-core's GPTModel."""
+    flags = cpu_scaled(megatron_name, "{ckpt}-" + megatron_name + suffix, mcore=mcore) + extra.split()
+    return Config(name, world, tuple(flags), rtol, baseline, first, last, baseline_rtol, own_flags=True, mcore=mcore)
 
 
 _DTENSOR = "gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor"  # and its _1node twin: the same MODEL_ARGS
@@ -171,12 +174,14 @@ CONFIGS.update({c.name: c for c in (
          baseline_rtol=0.0),
     _mlm("mlm_fsdp2_tp2_save", 4, _FSDP2_TP2, rtol=1e-2, extra="--exit-interval 8", last=8),
     _mlm("mlm_fsdp2_tp2_resume", 4, _FSDP2_TP2, rtol=1e-2, first=9),
-    _mlm("mlm_experts", 4, _EXPERTS, rtol=1e-2, suffix="-full"),
+    # The MoE configurations on megatron-core's GPTModel (its MoELayer, router options, shared experts).
+    _mlm("mlm_experts", 4, _EXPERTS, rtol=1e-2, suffix="-full", mcore=True),
     _mlm("mlm_experts_save", 4, _EXPERTS, rtol=1e-2, extra="--exit-interval 8", last=8, baseline="mlm_experts",
-         baseline_rtol=0.0),
-    _mlm("mlm_experts_resume", 4, _EXPERTS, rtol=1e-2, first=9, baseline="mlm_experts", baseline_rtol=0.0),
-    _mlm("mlm_deepseek", 4, _DEEPSEEK, rtol=1e-5),
-    _mlm("mlm_deepseek_ep_overlap", 4, _DEEPSEEK_OVERLAP, rtol=1e-2),
+         baseline_rtol=0.0, mcore=True),
+    _mlm("mlm_experts_resume", 4, _EXPERTS, rtol=1e-2, first=9, baseline="mlm_experts", baseline_rtol=0.0,
+         mcore=True),
+    _mlm("mlm_deepseek", 4, _DEEPSEEK, rtol=1e-5, mcore=True),
+    _mlm("mlm_deepseek_ep_overlap", 4, _DEEPSEEK_OVERLAP, rtol=1e-2, mcore=True),
 )})
 
 

@@ -6,8 +6,11 @@ bare flag, ``${...}`` placeholders kept). ``cpu_scaled`` turns one into a comman
 ranks: sizes and data scaled down, and each GPU-only flag replaced by its CPU equivalent or dropped, by
 the rules of ``SCALED`` and ``REPLACED`` (docs/megatron.md lists them). Flags that only megatron-core's
 model implements (``MCORE_ONLY``: the DeepSeek proxy's multi-latent attention, shared experts and router
-options) are dropped from the runs here, which use this front-end's own GPT; with them our GPT stops at
-start-up naming them (``tests/unit/frontend/test_megatron_flags.py``).
+options) are dropped from runs of this front-end's own GPT; with them our GPT stops at start-up naming
+them (``tests/unit/frontend/test_megatron_flags.py``). The MoE configurations run megatron-core's
+``GPTModel`` (``cpu_scaled(..., mcore=True)``): its MoE layers take the shared-expert and router flags;
+only multi-latent attention (``MLA``: megatron-core's local layer spec has no CPU core attention for its
+head sizes) is dropped.
 """
 
 from __future__ import annotations
@@ -209,6 +212,7 @@ SCALED: dict[str, str] = {
     "--eval-interval": "4", "--eval-iters": "1", "--save-interval": "4", "--log-interval": "4",
     "--exit-interval": "16", "--num-experts": "4", "--moe-router-topk": "2", "--moe-ffn-hidden-size": "32",
     "--moe-layer-freq": "([0]*1+[1]*1)", "--make-vocab-size-divisible-by": "16", "--split": "969,30,1",
+    "--moe-shared-expert-intermediate-size": "32",
 }
 # GPU-only flags: flag -> its CPU replacement ("" drops it), and why.
 REPLACED: dict[str, tuple[str, str]] = {
@@ -228,9 +232,11 @@ REPLACED: dict[str, tuple[str, str]] = {
     "--use-torch-fsdp2": ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
                           "PyTorch FSDP2 is not a backend of this front-end yet: our ZeRO-3 in its place"),
     "--ckpt-format": ("--ckpt-format fsdp_dtensor", "the format of --use-megatron-fsdp (torch_dist is DDP's)"),
-    "--calculate-per-token-loss": ("", "with --num-experts only: MoE with per-token loss is not supported here"),
-    "--tensor-model-parallel-size": ("--tensor-model-parallel-size 1", "with --num-experts only: MoE with TP is "
-                                     "not supported here"),
+    "--calculate-per-token-loss": ("", "with --num-experts on our own GPT only: its MoE has no per-token loss "
+                                   "(megatron-core's model keeps the flag)"),
+    "--tensor-model-parallel-size": ("--tensor-model-parallel-size 1", "with --num-experts only: megatron-core's "
+                                     "MoELayer trains under TP only with --sequence-parallel, which its local layer "
+                                     "spec refuses without Apex (torch norms); our GPT's MoE has no TP"),
 }
 # megatron-core-only model flags (dropped from these runs of our own GPT; see the module docstring).
 MCORE_ONLY = (
@@ -240,6 +246,9 @@ MCORE_ONLY = (
     "--moe-router-num-groups", "--moe-router-topk-scaling-factor", "--moe-router-score-function",
     "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
 )
+# Dropped from megatron-core runs as well: multi-latent attention has no CPU layer spec yet.
+MLA = ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+       "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim")
 _MOE_ONLY = ("--calculate-per-token-loss", "--tensor-model-parallel-size")
 
 
@@ -259,15 +268,21 @@ def megatron_argv(name: str) -> list[str]:
     return MEGATRON_LM[name].split()
 
 
-def cpu_scaled(name: str, ckpt: str, *, drop_mcore_only: bool = True) -> list[str]:
-    """The configuration scaled to CPU: ``ckpt`` holds its --save/--load, tensorboard and cache directories."""
+def cpu_scaled(name: str, ckpt: str, *, drop_mcore_only: bool = True, mcore: bool = False) -> list[str]:
+    """The configuration scaled to CPU: ``ckpt`` holds its --save/--load, tensorboard and cache directories.
+
+    ``mcore``: for megatron-core's model (``--model-provider mcore``), keeping what it implements
+    (only ``MLA`` dropped) and --calculate-per-token-loss.
+    """
     pieces = _pieces(MEGATRON_LM[name])
     moe = any(p[0] == "--num-experts" for p in pieces)
-    argv: list[str] = []
+    argv: list[str] = ["--model-provider", "mcore"] if mcore else []
     for flag, *values in pieces:
-        if drop_mcore_only and flag in MCORE_ONLY:
+        if flag in (MLA if mcore else MCORE_ONLY if drop_mcore_only else ()):
             continue
-        if flag in _MOE_ONLY and not moe:
+        if mcore and flag == "--calculate-per-token-loss":
+            argv.append(flag)
+        elif flag in _MOE_ONLY and not moe:
             argv += [flag, *values]
         elif flag in REPLACED and not (flag == "--ckpt-format" and values == ["fsdp_dtensor"]):
             argv += REPLACED[flag][0].split()

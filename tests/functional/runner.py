@@ -6,7 +6,11 @@
                                                        # (re)write only these entries, keep the others
 
 Running many short jobs inside one process group (``pretrain`` reuses an
-initialised group) keeps the CI cost to one process launch per world size.
+initialised group) keeps the CI cost to one process launch per world size, and one
+more for the configurations of megatron-core's model (``Config.mcore``): their ranks
+have megatron-core (``.venv/extras/mcore``, put there by ``.ci/setup.sh``) on their
+path, which the others must not have (``--model-provider auto`` would build it).
+Without megatron-core those configurations report ``skipped``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import gc
 import io
 import json
 import os
+import sys
 import tempfile
 import traceback
 
@@ -27,10 +32,11 @@ import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden_values.json")
+MCORE_EXTRA = os.path.join(ROOT, ".venv", "extras", "mcore")
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str,
-            only: list[str] | None = None) -> None:
+            only: list[str] | None = None, mcore: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -39,15 +45,23 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str,
     from pretrain_gpt import forward_step, model_provider
     from tests.functional.configs import by_world_size
 
-    results = {}
+    results, built = {}, []
+
+    def provider(*args, **kwargs):  # records which GPT each configuration built
+        model = model_provider(*args, **kwargs)
+        built.append(f"{type(model).__module__}.{type(model).__name__}")
+        return model
+
     for config in by_world_size(world_size):
-        if only is not None and config.name not in only:
+        if (only is not None and config.name not in only) or config.mcore != mcore:
             continue
         log = io.StringIO()
+        built.clear()
         try:
             with contextlib.redirect_stdout(log):
-                run = pretrain(model_provider, forward_step, config.argv(ckpt_root))
+                run = pretrain(provider, forward_step, config.argv(ckpt_root))
             results[config.name] = {
+                "model": built[-1] if built else None,
                 "lm loss": {str(k): v for k, v in sorted(run.losses.items())},
                 "grad norm": {str(k): v for k, v in sorted(run.grad_norms.items())},
                 "valid loss": {str(k): v for k, v in sorted(run.valid_losses.items())},
@@ -71,17 +85,41 @@ def run_world(world_size: int, ckpt_root: str, only: list[str] | None = None) ->
 
     Checkpoints go under ``ckpt_root`` (run world size 2 first: 4-rank configs resume its checkpoint).
     """
+    from tests.functional.configs import by_world_size
+
+    chosen = [c for c in by_world_size(world_size) if only is None or c.name in only]
+    results = {}
+    if any(not c.mcore for c in chosen):
+        results.update(_run_group(world_size, ckpt_root, only, mcore=False))
+    mcore_configs = [c.name for c in chosen if c.mcore]
+    if mcore_configs and not os.path.isdir(os.path.join(MCORE_EXTRA, "megatron", "core")):
+        results.update({name: {"skipped": f"megatron-core is not installed in {MCORE_EXTRA} (.ci/setup.sh)"}
+                        for name in mcore_configs})
+    elif mcore_configs:
+        results.update(_run_group(world_size, ckpt_root, only, mcore=True))
+    return results
+
+
+def _run_group(world_size: int, ckpt_root: str, only: list[str] | None, mcore: bool) -> dict:
+    """One spawned gloo group running the (megatron-core or other) configurations of ``world_size``."""
     from tests.distributed.harness import free_port
 
-    with tempfile.TemporaryDirectory() as out_dir:
-        try:
-            mp.start_processes(_worker, args=(world_size, free_port(), out_dir, ckpt_root, only), nprocs=world_size,
-                               start_method="spawn", join=True)
-        except mp.ProcessExitedException:
-            if not os.path.exists(os.path.join(out_dir, "results.json")):
-                raise
-        with open(os.path.join(out_dir, "results.json")) as f:
-            return json.load(f)
+    # spawn starts each rank with this process's sys.path: megatron-core's directory only for its group.
+    path = list(sys.path)
+    if mcore:
+        sys.path.insert(0, MCORE_EXTRA)
+    try:
+        with tempfile.TemporaryDirectory() as out_dir:
+            try:
+                mp.start_processes(_worker, args=(world_size, free_port(), out_dir, ckpt_root, only, mcore),
+                                   nprocs=world_size, start_method="spawn", join=True)
+            except mp.ProcessExitedException:
+                if not os.path.exists(os.path.join(out_dir, "results.json")):
+                    raise
+            with open(os.path.join(out_dir, "results.json")) as f:
+                return json.load(f)
+    finally:
+        sys.path[:] = path
 
 
 def main() -> None:
@@ -98,6 +136,8 @@ def main() -> None:
     ckpt_root = tempfile.mkdtemp(prefix="functional-ckpt-")
     for world_size in sorted(args.world_sizes):
         for name, result in run_world(world_size, ckpt_root, args.configs).items():
+            if "skipped" in result:
+                raise SystemExit(f"{name}: {result['skipped']}")
             if "error" in result:
                 raise SystemExit(f"{name} failed:\n{result['error']}")
             golden[name] = {"lm loss": result["lm loss"], "grad norm": result["grad norm"]}

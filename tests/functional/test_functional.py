@@ -59,7 +59,7 @@ def _compare_with_baseline(name: str, result: dict, golden: dict) -> None:
     """Against the baseline's run of this test run (``same_run_rtol``, 0: bitwise), else its golden values."""
     config = CONFIGS[name]
     base = SAME_RUN.get(config.baseline)
-    if base is not None and "error" not in base:
+    if base is not None and "error" not in base and "skipped" not in base:
         rtol, keys, source = config.same_run_rtol, ("lm loss", "grad norm", "valid loss", "params norm"), "this run's"
     else:  # the baseline did not run now (-k): its golden values, never exactly
         base, rtol, keys, source = golden[config.baseline], config.rtol, ("lm loss",), "golden"
@@ -80,7 +80,8 @@ def test_params_norm_and_num_zeros_agree_across_strategies(runs):
     checked = 0
     for name, result in results.items():
         base = SAME_RUN.get(CONFIGS[name].baseline or "")
-        if base is None or "error" in result or "error" in base or not result.get("params norm"):
+        if base is None or "error" in result or "error" in base or not result.get("params norm") \
+                or "skipped" in base:
             continue
         for it, value in result["params norm"].items():
             if it in base["params norm"]:
@@ -100,10 +101,16 @@ def test_config(runs, golden, name):
     if config.world_size != world_size:
         pytest.skip(f"{name} runs at world size {config.world_size}")
     result = results[name]
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
     assert "error" not in result, result["error"] + "\n" + result["log"]
     losses = {int(k): v for k, v in result["lm loss"].items()}
     assert sorted(losses) == list(range(config.first_iteration, config.last_iteration + 1)), sorted(losses)
     assert " iteration " in result["log"] and "lm loss:" in result["log"], result["log"]
+    if config.mcore:
+        assert result["model"] == "megatron.core.models.gpt.gpt_model.GPTModel", result["model"]
+    if config.mcore and "--num-experts" in config.flags:  # megatron-core's tracked MoE loss in the log line
+        assert "load_balancing_loss: " in result["log"], result["log"]
     if name in golden:
         expected = golden[name]
         for key in ("lm loss", "grad norm"):

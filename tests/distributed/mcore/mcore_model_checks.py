@@ -23,17 +23,27 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel as McoreDDP
 from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias, reset_model_temporary_tensors
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    get_moe_layer_wise_logging_tracker,
+    track_moe_metrics,
+)
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from megatron.training.arguments import parse_args, validate_args
+from megatron.training.data_loader import build_train_valid_test_data_iterators
+from megatron.training.global_vars import get_args
 from megatron.training.mcore_model import initialize_mcore_parallel, mcore_gpt_model, transformer_config_from_args
-from megatron.training.model_setup import pad_vocab_size
+from megatron.training.model_setup import build_adamw, pad_vocab_size
 from megatron.training.rng_tracker import get_model_parallel_rng_tracker, model_parallel_manual_seed
 from megatron_fsdp import FSDPModule, microbatch
 from megatron_fsdp.mcore import FullyShardedDataParallel
-from tests.distributed.harness import check
+from tests.distributed.harness import check, shared_tmpdir
 
 SUITE = "mcore_model"
 STEPS = 6
@@ -149,10 +159,8 @@ def ours(args, strategy: str, instances: int = 1, mesh=None) -> FullyShardedData
     return FullyShardedDataParallel(module.config, ddp_config, module, device_mesh=mesh)
 
 
-def train_ours(args, strategy: str, instances: int = 1, mesh=None) -> tuple[dict, list[float]]:
-    model = ours(args, strategy, instances, mesh)
-    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
-    assert len(layers) == 2 and all(isinstance(m, FSDPModule) for m in layers), "megatron-core's layers are units"
+def train_wrapped(model: FullyShardedDataParallel) -> tuple[dict, list[float]]:
+    """Megatron's loop calls on our adapter for ``STEPS`` steps: the full parameters after them, and each loss."""
     opt, losses = optimizer(model.parameters()), []
     for step in range(STEPS):
         model.zero_grad_buffer()
@@ -165,6 +173,13 @@ def train_ours(args, strategy: str, instances: int = 1, mesh=None) -> tuple[dict
         model.start_param_sync()
         losses.append(loss.item())
     return {n: p.full_tensor().detach().clone() for n, p in model.module.module.named_parameters()}, losses
+
+
+def train_ours(args, strategy: str, instances: int = 1, mesh=None) -> tuple[dict, list[float]]:
+    model = ours(args, strategy, instances, mesh)
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    assert len(layers) == 2 and all(isinstance(m, FSDPModule) for m in layers), "megatron-core's layers are units"
+    return train_wrapped(model)
 
 
 def assert_same(what: str, got: tuple[dict, list[float]], want: tuple[dict, list[float]]) -> None:
@@ -284,7 +299,8 @@ def cpu_compat_patches_fit_the_installed_megatron_core() -> None:
         assert "megatron-core 0.17.0 is installed; these patches are for 0.16.1" in compat.stale_patches()[0]
     finally:
         compat.installed_version = real
-    if not torch.cuda.is_available():  # applied (by the model builds above): what megatron-core now calls
+    if not torch.cuda.is_available():  # applied (with parallel_state, as a model build does): what megatron-core calls
+        initialize_mcore_parallel(model_args(), seed=1)
         from megatron.core.fusions import fused_softmax
 
         mask = fused_softmax.get_default_causal_mask(3)
@@ -304,6 +320,14 @@ def cpu_compat_patches_fit_the_installed_megatron_core() -> None:
         ours = get_model_parallel_rng_tracker().get_states()
         get_model_parallel_rng_tracker().reset()
         assert list(ours) == ["model-parallel-rng"] and torch.equal(ours["model-parallel-rng"], expected)
+        from megatron.core.transformer.moe import token_dispatcher
+
+        stream = token_dispatcher.torch.cuda.Stream()  # the alltoall dispatcher's side stream: a CPU stand-in
+        with token_dispatcher.torch.cuda.stream(stream):
+            stream.wait_stream(token_dispatcher.torch.cuda.current_stream())
+        stream.record_event().synchronize()
+        splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 5]), as_numpy=True)
+        assert splits.tolist() == [3, 5] and not torch.is_tensor(splits), "split sizes as a host array"
 
 
 @check(SUITE, world_sizes=(2,))
@@ -327,6 +351,9 @@ def model_choice_names_the_cause() -> None:
             assert cause in str(error) and "--model-provider gpt" in str(error), error
         else:
             raise AssertionError(f"--model-provider mcore with {flags} should stop")
+    for flags in (["--num-experts", "2", "--no-bias-gelu-fusion"], ["--num-experts", "2", "--swiglu",
+                                                                   "--disable-bias-linear"]):
+        assert args_for(*flags).model_provider == "mcore", f"megatron-core's MoELayer runs {flags}"
     config = transformer_config_from_args(model_args("--swiglu", "--normalization", "RMSNorm", "--num-query-groups",
                                                      "2", "--untie-embeddings-and-output-weights"))
     assert config.gated_linear_unit and config.normalization == "RMSNorm" and config.use_cpu_initialization
@@ -373,19 +400,14 @@ def pretrain_gpt_tensor_parallel_megatron_core_model() -> None:
 def moe_args(ep: int):
     """megatron-core's MoE GPT: 4 experts, top-2, Megatron's allgather dispatcher, SwiGLU without biases
     (megatron-core's fused weighted SwiGLU has no bias), expert-parallel over ``ep`` ranks."""
-    args = model_args("--num-experts", "4", "--moe-router-topk", "2", "--swiglu",
-                      "--expert-model-parallel-size", str(ep), "--model-provider", "gpt", "--use-megatron-fsdp")
-    args.model_provider = "mcore"  # built directly below: the front-end does not wire megatron-core's MoE yet
-    args.moe_token_dispatcher_type = "allgather"
-    args.add_bias_linear = False
-    return args
+    return model_args("--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear",
+                      "--expert-model-parallel-size", str(ep), "--use-megatron-fsdp")
 
 
 @check(SUITE)
 def moe_expert_parallel_2_equals_megatron_core_ddp() -> None:
     """megatron-core's MoELayer at EP2 (expert parameters allreduce=False, expert data-parallel groups from
     parallel_state) under our engine == megatron-core DDP at EP2."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     args = moe_args(ep=2)
     world = dist.get_world_size()
@@ -401,19 +423,153 @@ def moe_expert_parallel_2_equals_megatron_core_ddp() -> None:
             module = build(args)
             ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy)
             wrapped = FullyShardedDataParallel(module.config, ddp_config, module, expt_device_mesh=expt_mesh)
-            opt, losses = optimizer(wrapped.parameters()), []
-            for step in range(STEPS):
-                wrapped.zero_grad_buffer()
-                opt.zero_grad()
-                with microbatch(wrapped, is_first=True, is_last=True):
-                    loss = loss_of(wrapped, step)
-                    loss.backward()
-                wrapped.finish_grad_sync()
-                opt.step()
-                wrapped.start_param_sync()
-                losses.append(loss.item())
-            params = {n: p.full_tensor().detach().clone() for n, p in wrapped.module.module.named_parameters()}
-            assert_same(f"EP2 {strategy}", (params, losses), reference)
+            assert_same(f"EP2 {strategy}", train_wrapped(wrapped), reference)
+    finally:
+        parallel_state.destroy_model_parallel()
+        initialize_mcore_parallel(model_args(), seed=1)
+
+
+# pretrain_gpt.py's megatron-core MoE model: the DeepSeek proxy's MoE options at a small size, the aux loss on
+# (its backward scale is the loop's job), 2 micro-batches per step (the scale is 1 / 2), dropout off and a
+# constant learning rate without clipping (the reference loop below is Megatron's, without a scheduler).
+# ZeRO-1 (optim): like megatron-core DDP it accumulates both micro-batches before one reduction (ZeRO-2/3
+# reduce each micro-batch's sharded gradients: another summation order, not bitwise).
+PRETRAIN_MOE = ["--mock-data", "--vocab-size", "61", "--make-vocab-size-divisible-by", "1", "--num-layers", "3",
+                "--hidden-size", "16", "--ffn-hidden-size", "24", "--num-attention-heads", "4", "--seq-length", "12",
+                "--micro-batch-size", "2", "--lr", "1e-2", "--lr-decay-style", "constant", "--clip-grad", "0",
+                "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0", "--train-iters", "4",
+                "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim",
+                "--model-provider", "mcore", "--swiglu", "--disable-bias-linear", "--num-experts", "4",
+                "--moe-router-topk", "2", "--moe-ffn-hidden-size", "8", "--moe-layer-freq", "([0]*1+[1]*2)",
+                "--moe-aux-loss-coeff", "1e-2", "--moe-shared-expert-intermediate-size", "8",
+                "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                "--moe-router-bias-update-rate", "1e-2", "--moe-router-pre-softmax", "--moe-grouped-gemm",
+                "--expert-model-parallel-size", "2"]
+
+
+# At 4 data-parallel ranks gradients differ in their last bits (``exact()``), and pretrain's optimizer is AdamW,
+# whose m / sqrt(v) scales a last-bit gradient difference by up to the learning rate over |gradient| for
+# elements of small gradient: parameters are compared within 1e-4 of the learning rate (1e-2) per element.
+ADAM_ATOL = 1e-6
+
+
+def _pretrain_capturing(argv: list[str]):
+    """pretrain() with pretrain_gpt's model provider, keeping the built module and its initial state."""
+    from megatron.training.training import pretrain
+    from pretrain_gpt import forward_step, model_provider
+
+    built = []
+
+    def provider(*a, **k):
+        module = model_provider(*a, **k)
+        built.append((module, {k: v.detach().clone() for k, v in module.state_dict().items()
+                               if isinstance(v, torch.Tensor)}))
+        return module
+
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        run = pretrain(provider, forward_step, argv)
+    (module, initial), = built
+    return run, module, initial, log.getvalue()
+
+
+def _megatron_core_ddp_moe_reference(args, initial: dict) -> tuple[dict, dict, dict]:
+    """Megatron-LM's loop over megatron-core DDP on the same model, data and AdamW: params, losses, MoE losses.
+    (The expert bias must move at some step: the sign updates of 4 steps may cancel by the end.)"""
+    from pretrain_gpt import model_provider
+
+    module = model_provider()
+    missing, unexpected = module.load_state_dict(initial, strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+    get_moe_layer_wise_logging_tracker().clear()
+    model = McoreDDP(config=module.config, ddp_config=DistributedDataParallelConfig(), module=module)
+    opt = build_adamw(args, module)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    train_iter, _, _ = build_train_valid_test_data_iterators(args, dp_rank, dp_size)
+    n = args.global_batch_size // (args.micro_batch_size * dp_size)
+    assert n == 2, n
+    losses, moe_losses, bias_moved = {}, {}, False
+    for it in range(1, args.train_iters + 1):
+        model.zero_grad_buffer()
+        opt.zero_grad(set_to_none=True)
+        totals = torch.zeros(3, dtype=torch.float64)
+        for _ in range(n):
+            batch = next(train_iter)
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / n))  # schedules.forward_step
+            per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            masked, tokens = (per_token.float() * batch["loss_mask"]).sum(), batch["loss_mask"].sum()
+            (masked / tokens.clamp(min=1) / n).backward()
+            masked, tokens = masked.detach().double(), tokens.double()
+            totals += torch.stack([masked, tokens, masked / tokens.clamp(min=1.0)])
+        model.finish_grad_sync()
+        _update_router_expert_bias([module], module.config)  # finalize_model_grads' MoE part
+        reset_model_temporary_tensors(module.config, [module])
+        biases = [b for n, b in module.named_buffers() if n.endswith("expert_bias")]
+        bias_moved = bias_moved or any(b.abs().sum() > 0 for b in biases)
+        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+        losses[it] = totals[2].item() / (n * dp_size)
+        tracked = {}
+        track_moe_metrics(loss_scale=1.0 / n, iteration=it, total_loss_dict=tracked,
+                          track_names=sorted(get_moe_layer_wise_logging_tracker()), num_layers=args.num_layers,
+                          moe_layer_freq=args.moe_layer_freq)
+        moe_losses[it] = {k: float(v) for k, v in tracked.items()}
+        for param in module.parameters():
+            param.grad = param.main_grad
+        opt.step()
+    state = {n: p.detach().clone() for n, p in module.named_parameters()}
+    state.update({n: b.detach().clone() for n, b in module.named_buffers() if n.endswith("expert_bias")})
+    assert bias_moved, "the routers' expert bias should move during training"
+    return state, losses, moe_losses
+
+
+@check(SUITE, params={"dispatcher": ["allgather", "alltoall"]})
+def pretrain_gpt_megatron_core_moe_equals_megatron_core_ddp(dispatcher: str) -> None:
+    """pretrain_gpt.py with megatron-core's MoE GPT at EP2 (shared experts, sigmoid router with pre-softmax and
+    expert bias, grouped GEMM's CPU substitute, a dense first layer), trained by our engine, equals Megatron-LM's
+    loop over megatron-core DDP: every iteration's lm loss and load_balancing_loss, every parameter and router
+    expert bias after 4 AdamW steps of 2 micro-batches each (bitwise at 2 ranks; at 4, losses within 1e-6 and
+    parameters within ``ADAM_ATOL``); saved at 2 and resumed, the run continues bitwise (the expert bias is in
+    the checkpoint; the routers' token counts are per step)."""
+    world = dist.get_world_size()
+    argv = [*PRETRAIN_MOE, "--global-batch-size", str(4 * world), "--moe-token-dispatcher-type", dispatcher]
+    try:
+        run, module, initial, log = _pretrain_capturing(argv)
+        assert "building megatron-core GPTModel" in log or dist.get_rank() != 0, log[:2000]
+        layers = [type(layer.mlp) for layer in module.decoder.layers]
+        assert layers[0] is not MoELayer and layers[1] is MoELayer and layers[2] is MoELayer, layers
+        assert module.decoder.layers[1].mlp.shared_experts is not None
+        experts = module.decoder.layers[1].mlp.experts
+        assert isinstance(experts, SequentialMLP), f"--moe-grouped-gemm on CPU: SequentialMLP, got {type(experts)}"
+        args = get_args()
+        reference, ref_losses, ref_moe = _megatron_core_ddp_moe_reference(args, initial)
+        iterations = sorted(run.losses)
+        assert iterations == sorted(ref_losses) == [1, 2, 3, 4], (iterations, sorted(ref_losses))
+        assert_equal("lm loss", torch.tensor([run.losses[i] for i in iterations], dtype=torch.float64),
+                     torch.tensor([ref_losses[i] for i in iterations], dtype=torch.float64))
+        assert ref_losses[4] < ref_losses[1], ref_losses
+        assert set(run.moe_losses[1]) == {"load_balancing_loss"} == set(ref_moe[1]), (run.moe_losses, ref_moe)
+        balancing = [run.moe_losses[i]["load_balancing_loss"] for i in iterations]
+        assert_equal("load_balancing_loss", torch.tensor(balancing),
+                     torch.tensor([ref_moe[i]["load_balancing_loss"] for i in iterations]))
+        ours_state = {n: p.full_tensor().detach().clone() for n, p in module.named_parameters()}
+        ours_state.update({n: b.detach().clone() for n, b in module.named_buffers() if n.endswith("expert_bias")})
+        assert ours_state.keys() == reference.keys(), sorted(set(ours_state) ^ set(reference))
+        assert len([n for n in reference if n.endswith("expert_bias")]) == 2, sorted(reference)
+        for name, value in ours_state.items():
+            if exact():
+                assert_equal(name, value, reference[name])
+            else:  # measured: up to 1.4e-7 (1.4e-5 of the learning rate), on 1 of 384 elements
+                torch.testing.assert_close(value, reference[name], rtol=1e-6, atol=ADAM_ATOL,
+                                           msg=lambda m, n=name: f"{n}: {m}")
+        if dispatcher == "alltoall":  # the checkpoint holds the routers' expert bias: a resume continues bitwise
+            with shared_tmpdir() as root:
+                ckpt = ["--ckpt-format", "fsdp_dtensor", "--save", root, "--save-interval", "2"]
+                _pretrain_capturing([*argv, *ckpt, "--exit-interval", "2"])
+                resumed, _, _, _ = _pretrain_capturing([*argv, *ckpt, "--load", root])
+            for it in (3, 4):
+                assert resumed.losses[it] == run.losses[it], (it, resumed.losses, run.losses)
+                assert resumed.moe_losses[it] == run.moe_losses[it], (it, resumed.moe_losses, run.moe_losses)
     finally:
         parallel_state.destroy_model_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
