@@ -11,7 +11,7 @@ megatron-core version fails loudly instead of being patched blindly.
 How each CUDA call is redirected:
 
 - ``torch.cuda.current_device()`` as an allocation device (global memory buffer,
-  sequence-parallel gathers, DDP grad buffers, RoPE, the MoE router): the module's ``torch`` name is
+  sequence-parallel gathers, DDP grad buffers, RoPE and MLA's yarn RoPE, the MoE router): the module's ``torch`` name is
   bound to ``_CPUTorch``, which is torch except that ``torch.cuda.current_device()``
   answers ``"cpu"`` (torch itself is not touched);
 - the causal masks allocated on ``device="cuda"``: CPU versions of the two functions;
@@ -139,6 +139,10 @@ PATCHES: tuple[Patch, ...] = (
     # RoPE moves its inverse frequencies to the current CUDA device at the first forward.
     _torch_patch("megatron.core.models.common.embeddings.rotary_pos_embedding",
                  "models/common/embeddings/rotary_pos_embedding.py", (162,)),
+    # Multi-latent attention's yarn RoPE moves its two CPU-built inverse-frequency tables to the current CUDA device
+    # at the first forward.
+    _torch_patch("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+                 "models/common/embeddings/yarn_rotary_pos_embedding.py", (122, 126)),
     # MoE: the router moves a CPU-resident gate to the current CUDA device, and allocates its aux-loss state there.
     _torch_patch("megatron.core.transformer.moe.router", "transformer/moe/router.py", (90, 92, 169, 178, 192, 198)),
     # moe_utils.py binds te_general_gemm only inside its TransformerEngine `try` (megatron-core 0.16.1 bug): without

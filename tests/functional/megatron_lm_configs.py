@@ -225,9 +225,6 @@ REPLACED: dict[str, tuple[str, str]] = {
     "--use-persistent-ckpt-worker": ("", "serves --async-save"),
     "--overlap-moe-expert-parallel-comm": ("", "needs CUDA streams and pipeline scheduling"),
     "--delay-wgrad-compute": ("", "needs TransformerEngine"),
-    "--use-torch-fsdp2": ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
-                          "PyTorch FSDP2 is not a backend of this front-end yet: our ZeRO-3 in its place"),
-    "--ckpt-format": ("--ckpt-format fsdp_dtensor", "the format of --use-megatron-fsdp (torch_dist is DDP's)"),
     "--calculate-per-token-loss": ("", "with --num-experts only: MoE with per-token loss is not supported here"),
     "--tensor-model-parallel-size": ("--tensor-model-parallel-size 1", "with --num-experts only: MoE with TP is "
                                      "not supported here"),
@@ -269,7 +266,7 @@ def cpu_scaled(name: str, ckpt: str, *, drop_mcore_only: bool = True) -> list[st
             continue
         if flag in _MOE_ONLY and not moe:
             argv += [flag, *values]
-        elif flag in REPLACED and not (flag == "--ckpt-format" and values == ["fsdp_dtensor"]):
+        elif flag in REPLACED:
             argv += REPLACED[flag][0].split()
         elif flag in SCALED:
             argv += [flag, SCALED[flag]]
