@@ -16,6 +16,7 @@ How each CUDA call is redirected:
   answers ``"cpu"`` (torch itself is not touched);
 - the causal masks allocated on ``device="cuda"``: CPU versions of the two functions;
 - ``moe_utils.te_general_gemm``, bound only when TransformerEngine imports: ``None``;
+- ``multi_latent_attention.HAVE_TE``, True without TransformerEngine (a mock stands in): ``False``;
 - the RNG tracker (``tensor_parallel/random.py``): its states become CPU generator
   states, so ``model_parallel_cuda_manual_seed`` seeds one per TP rank (seed + 2718
   + tp_rank) and ``get_cuda_rng_tracker().fork()`` switches the CPU generator to it
@@ -149,6 +150,12 @@ PATCHES: tuple[Patch, ...] = (
     # TE the router's gating linear raises NameError. None is what its own `if te_general_gemm is not None` expects.
     Patch("megatron.core.transformer.moe.moe_utils", "te_general_gemm", "transformer/moe/moe_utils.py", (1192,),
           "if te_general_gemm is not None", None, adds=True),
+    # multi_latent_attention.py sets HAVE_TE = True whenever megatron.core.extensions.transformer_engine imports,
+    # which it does without TransformerEngine (te is a MagicMock there, so TELinear is a MagicMock, not a class):
+    # MLASelfAttention.__init__'s isinstance(self.linear_proj, TELinear) then raises TypeError. Without CUDA there is
+    # no TransformerEngine, so False is the truth.
+    Patch("megatron.core.transformer.multi_latent_attention", "HAVE_TE", "transformer/multi_latent_attention.py",
+          (62,), "HAVE_TE = True", False),
     Patch("megatron.core.transformer.utils", "get_default_causal_mask", "transformer/utils.py", (35,),
           'device="cuda"', _cpu_default_causal_mask),
     Patch("megatron.core.transformer.utils", "get_sliding_window_causal_mask", "transformer/utils.py", (40,),

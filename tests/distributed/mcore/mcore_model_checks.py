@@ -411,3 +411,83 @@ def moe_expert_parallel_2_equals_megatron_core_ddp() -> None:
     finally:
         parallel_state.destroy_model_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
+
+
+# Multi-latent attention at the sizes of a small model: queries through a LoRA (q_lora_rank), query/key head 6 + 2
+# (nope + rope), value head 5 (the core attention's query/key and value head sizes all differ from kv_channels 4).
+MLA_FLAGS = ("--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "8", "--qk-head-dim", "6",
+             "--qk-pos-emb-head-dim", "2", "--v-head-dim", "5", "--rotary-scaling-factor", "1.0", "--mscale", "1.0",
+             "--mscale-all-dim", "1.0", "--qk-layernorm", "--normalization", "RMSNorm", "--position-embedding-type",
+             "rope")
+
+
+@check(SUITE, world_sizes=(2,))
+def multi_latent_attention_equals_megatron_core_ddp() -> None:
+    """megatron-core's MLA GPTModel (the front-end's CPU layer spec) under our engine, and under FSDP2, == megatron-core
+    DDP == torch DDP, bitwise at 2 ranks; its core attention == softmax(q k^T * scale) v."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from megatron.training.mcore_mla import MLADotProductAttention
+
+    args = model_args(*MLA_FLAGS)
+    model = build(args)
+    attention = model.decoder.layers[0].self_attention
+    assert isinstance(attention, MLASelfAttention) and isinstance(attention.core_attention, MLADotProductAttention)
+    # The core attention alone: [s, b, heads, d] inputs with query/key head 8 and value head 5, causal.
+    core = MLADotProductAttention(model.config, 1, AttnMaskType.causal, "self", attention_dropout=0.0,
+                                  softmax_scale=0.3, k_channels=8, v_channels=5)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(7, 2, 4, d, generator=g) for d in (8, 8, 5))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True, scale=0.3)
+    got = core(q, k, v, None)
+    assert got.shape == (7, 2, 20), got.shape
+    torch.testing.assert_close(got, want.permute(2, 0, 1, 3).reshape(7, 2, 20), rtol=1e-5, atol=1e-6)
+    reference = train_mcore_ddp(args)
+    assert reference[1][-1] < reference[1][0], f"the loss should fall: {reference[1]}"
+    assert_same("MLA: torch DDP vs megatron-core DDP", train_torch_ddp(args), reference)
+    for strategy in ("no_shard", "optim_grads_params"):
+        assert_same(f"MLA: {strategy}", train_ours(args, strategy), reference)
+    assert_same("MLA: FSDP2", train_torch_fsdp2(args), reference)
+
+
+def train_torch_fsdp2(args) -> tuple[dict, list[float]]:
+    """megatron-core's GPTModel wrapped as --use-torch-fsdp2 wraps it (megatron/training/torch_fsdp2.py)."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    from megatron.training.torch_fsdp2 import wrap_with_torch_fsdp2
+
+    layout = type("Layout", (), {"grad_group": parallel_state.get_data_parallel_group()})()
+    model = wrap_with_torch_fsdp2(build(args), torch.device("cpu"), layout, bf16=False, grad_reduce_in_bf16=False,
+                                  untied=args.untie_embeddings_and_output_weights)
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    assert len(layers) == 2 and all(isinstance(m, TorchFSDPModule) for m in layers), "megatron-core's layers are units"
+    assert all(hasattr(p, "tensor_model_parallel") for p in model.decoder.layers[0].mlp.linear_fc1.parameters()), \
+        "megatron-core's parameter attributes survive fully_shard"
+    opt, losses = optimizer(model.parameters()), []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = loss_of(model, step)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}, losses
+
+
+@check(SUITE, world_sizes=(2,))
+def torch_fsdp2_equals_megatron_core_ddp() -> None:
+    """--use-torch-fsdp2's wrapping of megatron-core's GPTModel (tied and untied embeddings) == megatron-core DDP,
+    bitwise at 2 ranks; pretrain_gpt.py --use-torch-fsdp2 builds megatron-core's model and trains as DDP does."""
+    for flags in ((), ("--untie-embeddings-and-output-weights",)):
+        args = model_args(*flags)
+        assert_same(f"FSDP2 {flags}", train_torch_fsdp2(args), train_mcore_ddp(args))
+    common = ["--mock-data", "--vocab-size", "61", "--num-layers", "2", "--hidden-size", "16",
+              "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+              "--lr", "1e-2", "--attention-dropout", "0", "--hidden-dropout", "0", "--train-iters", "4"]
+    ddp, _ = _pretrain(common)
+    fsdp2, log = _pretrain([*common, "--use-torch-fsdp2"])
+    assert "building megatron-core GPTModel" in log or dist.get_rank() != 0, log[:2000]
+    for it, loss in ddp.losses.items():  # 2 micro-batches per step: accumulation without gradient sync first
+        torch.testing.assert_close(torch.tensor(fsdp2.losses[it]), torch.tensor(loss), rtol=1e-6, atol=0,
+                                   msg=lambda m, i=it: f"FSDP2 vs DDP iteration {i}: {m}")
