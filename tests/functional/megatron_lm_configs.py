@@ -209,6 +209,9 @@ SCALED: dict[str, str] = {
     "--eval-interval": "4", "--eval-iters": "1", "--save-interval": "4", "--log-interval": "4",
     "--exit-interval": "16", "--num-experts": "4", "--moe-router-topk": "2", "--moe-ffn-hidden-size": "32",
     "--moe-layer-freq": "([0]*1+[1]*1)", "--make-vocab-size-divisible-by": "16", "--split": "969,30,1",
+    # multi-latent attention's ranks and head sizes (the query/key head 8 + 4, the value head 8)
+    "--q-lora-rank": "16", "--kv-lora-rank": "8", "--qk-head-dim": "8", "--qk-pos-emb-head-dim": "4",
+    "--v-head-dim": "8",
 }
 # GPU-only flags: flag -> its CPU replacement ("" drops it), and why.
 REPLACED: dict[str, tuple[str, str]] = {

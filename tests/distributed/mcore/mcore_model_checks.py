@@ -491,3 +491,55 @@ def torch_fsdp2_equals_megatron_core_ddp() -> None:
     for it, loss in ddp.losses.items():  # 2 micro-batches per step: accumulation without gradient sync first
         torch.testing.assert_close(torch.tensor(fsdp2.losses[it]), torch.tensor(loss), rtol=1e-6, atol=0,
                                    msg=lambda m, i=it: f"FSDP2 vs DDP iteration {i}: {m}")
+
+
+# The MoE part of the DeepSeek proxy (megatron-core's MoELayer through pretrain_gpt.py) is not wired on this branch.
+_MOE_FLAGS = ("--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size")
+
+
+def _without_moe(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    skipping = False
+    for token in argv:
+        if token.startswith("--"):
+            skipping = token.startswith("--moe-") or token in _MOE_FLAGS
+        if not skipping:
+            out.append(token)
+    return out
+
+
+@check(SUITE, world_sizes=(2,))
+def deepseek_proxy_builds_multi_latent_attention() -> None:
+    """Megatron-LM's DeepSeek-proxy command line, scaled to CPU with its megatron-core-only flags kept (its MoE
+    flags left out), builds megatron-core's GPTModel with multi-latent attention through pretrain_gpt.py, and trains."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    import pretrain_gpt
+    from megatron.training.training import pretrain
+    from tests.functional.megatron_lm_configs import cpu_scaled
+
+    root = tempfile.mkdtemp() if dist.get_rank() == 0 else None
+    holder = [root]
+    dist.broadcast_object_list(holder)
+    argv = _without_moe(cpu_scaled("deepseek_proxy_fsdp_ep2_fsdp2", os.path.join(holder[0], "ds"),
+                                   drop_mcore_only=False))
+    assert "--multi-latent-attention" in argv and "--q-lora-rank" in argv and "--num-experts" not in argv, argv
+    built = []
+
+    def provider(pre_process: bool = True, post_process: bool = True):
+        built.append(pretrain_gpt.model_provider(pre_process, post_process))
+        return built[-1]
+
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        run = pretrain(provider, pretrain_gpt.forward_step, argv)
+    model = built[0]
+    assert type(model).__module__ == "megatron.core.models.gpt.gpt_model", type(model)
+    attention = model.decoder.layers[0].self_attention
+    assert isinstance(attention, MLASelfAttention), type(attention)
+    config = model.config
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim,
+            config.v_head_dim, config.rope_type) == (16, 8, 8, 4, 8, "yarn"), config
+    assert attention.linear_q_up_proj.weight.shape[0] == 4 * (8 + 4), "query heads: qk_head_dim + qk_pos_emb_head_dim"
+    losses = [run.losses[i] for i in sorted(run.losses)]
+    assert len(losses) == 16 and losses[-1] < losses[0] - 0.3, losses
