@@ -250,9 +250,8 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
     "--use-torch-fsdp2": ("effect", "PyTorch FSDP2 (torch.distributed.fsdp.fully_shard) as the data-parallel "
                           "backend, in place of DDP or --use-megatron-fsdp: transformer layers (and megatron-core's "
                           "untied embedding) are units, fp32 sharded parameters, bf16 compute with --bf16; "
-                          "--ckpt-format torch_dist or torch_dcp; stops with --use-megatron-fsdp, "
-                          "--use-distributed-optimizer, --expert-model-parallel-size > 1, --context-parallel-size > 1 "
-                          "and --sequence-parallel (torch_fsdp2.py)"),
+                          "--ckpt-format torch_dist or torch_dcp; with TP, SP and CP; stops with --use-megatron-fsdp, "
+                          "--use-distributed-optimizer and --expert-model-parallel-size > 1 (torch_fsdp2.py)"),
     "--megatron-fsdp-main-params-dtype": ("effect", "fp32: fp32 main weights (preserve_fp32_weights); auto: the "
                                           "model's dtype; bf16 needs --bf16; fp16 stops"),
     "--megatron-fsdp-main-grads-dtype": ("effect", "fp32: gradients accumulated and reduced in fp32; bf16 (with "
@@ -439,10 +438,6 @@ def _check_torch_fsdp2(args: argparse.Namespace, fail: Callable[[str], None]) ->
         ("--use-distributed-optimizer (Megatron-LM refuses it too: FSDP2 shards the optimizer state itself)",
          args.use_distributed_optimizer),
         ("--expert-model-parallel-size > 1 (Megatron-LM refuses it too)", args.expert_model_parallel_size > 1),
-        ("--context-parallel-size > 1 (not built with FSDP2 here; --use-megatron-fsdp runs it)",
-         args.context_parallel_size > 1),
-        ("--sequence-parallel (not built with FSDP2 here; --use-megatron-fsdp runs it)",
-         args.sequence_parallel and args.tensor_model_parallel_size > 1),
     ):
         if on:
             fail(f"--use-torch-fsdp2 cannot be combined with {what}")

@@ -120,6 +120,10 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
                                                       "--sequence-parallel"]), baseline="optim_grads_params"),
     _cfg("tp2_sp_optim_4", 4, " ".join([*FSDP, "optim", "--tensor-model-parallel-size 2", "--sequence-parallel",
                                          "--swiglu", "--position-embedding-type rope"])),
+    # PyTorch FSDP2 with TP2 x SP (sharded over DP2) and with CP2 x DP2 (sharded over both): the same curves.
+    _cfg("tp2_sp_fsdp2_4", 4, "--use-torch-fsdp2 --tensor-model-parallel-size 2 --sequence-parallel",
+         baseline="tp2_sp_optim_grads_params_4"),
+    _cfg("cp2_fsdp2_4", 4, "--use-torch-fsdp2 --context-parallel-size 2", baseline="cp2_ddp_4"),
     # Context parallelism (CP2 x DP2; TP2 x CP2 x DP1 with 4 micro-batches per step): the same global batches.
     _cfg("cp2_ddp_4", 4, "--context-parallel-size 2", baseline="ddp"),
     _cfg("cp2_optim_grads_params_4", 4, " ".join([*FSDP, "optim_grads_params", "--context-parallel-size 2"]),
