@@ -458,8 +458,9 @@ def train_torch_fsdp2(args) -> tuple[dict, list[float]]:
 
     from megatron.training.torch_fsdp2 import wrap_with_torch_fsdp2
 
+    module = build(args)  # lays out megatron-core's parallel_state
     layout = type("Layout", (), {"grad_group": parallel_state.get_data_parallel_group()})()
-    model = wrap_with_torch_fsdp2(build(args), torch.device("cpu"), layout, bf16=False, grad_reduce_in_bf16=False,
+    model = wrap_with_torch_fsdp2(module, torch.device("cpu"), layout, bf16=False, grad_reduce_in_bf16=False,
                                   untied=args.untie_embeddings_and_output_weights)
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     assert len(layers) == 2 and all(isinstance(m, TorchFSDPModule) for m in layers), "megatron-core's layers are units"
@@ -491,6 +492,20 @@ def torch_fsdp2_equals_megatron_core_ddp() -> None:
     for it, loss in ddp.losses.items():  # 2 micro-batches per step: accumulation without gradient sync first
         torch.testing.assert_close(torch.tensor(fsdp2.losses[it]), torch.tensor(loss), rtol=1e-6, atol=0,
                                    msg=lambda m, i=it: f"FSDP2 vs DDP iteration {i}: {m}")
+    # megatron-core's TP2 layers under FSDP2 (TP2 x DP1) follow the TP1 x DP2 DDP run within 1e-5 (TP-split matmuls
+    # sum in another order; the vocabulary is padded to 128 rows at TP1 and TP2 alike).
+    tp_common = ["--mock-data", "--vocab-size", "120", "--make-vocab-size-divisible-by", "64", "--num-layers", "2",
+                 "--hidden-size", "16", "--num-attention-heads", "4", "--seq-length", "16", "--global-batch-size", "4",
+                 "--lr", "1e-2", "--attention-dropout", "0", "--hidden-dropout", "0", "--train-iters", "4",
+                 "--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm"]
+    tp1, _ = _pretrain(tp_common)
+    tp2, log = _pretrain([*tp_common, "--use-torch-fsdp2", "--tensor-model-parallel-size", "2"])
+    assert "building megatron-core GPTModel" in log or dist.get_rank() != 0, log[:2000]
+    for it in tp1.losses:
+        for what, got, want in (("loss", tp2.losses[it], tp1.losses[it]),
+                                ("grad norm", tp2.grad_norms[it], tp1.grad_norms[it])):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0,
+                                       msg=lambda m, w=what, i=it: f"FSDP2 TP2 vs DDP TP1 {w} at {i}: {m}")
 
 
 # The MoE part of the DeepSeek proxy (megatron-core's MoELayer through pretrain_gpt.py) is not wired on this branch.
