@@ -237,8 +237,10 @@ def build_backend(
     n_params = sum(p.numel() for p in model.parameters())
     # Megatron's line: this (TP rank 0) slice; the start-up summary gives the whole model's count.
     print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): {n_params}")
-    if args.use_torch_fsdp2:  # fp32 parameters: with --bf16 FSDP2's policy computes in bf16
-        model.to(device)
+    if args.use_torch_fsdp2:
+        # fp32 sharded (main) parameters, as Megatron's optimizer keeps fp32 main copies of its bf16 model: with
+        # --bf16 megatron-core builds its weights in bf16, and FSDP2's policy computes in bf16 again
+        model.to(device=device, dtype=torch.float32)
         wrapped = wrap_with_torch_fsdp2(model, device, layout, bf16=args.bf16,
                                         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                                         untied=args.untie_embeddings_and_output_weights)
