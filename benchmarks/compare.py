@@ -69,6 +69,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from bench_args import add_engine_option_args, add_model_shape_args, check_impls  # noqa: E402
 from train_fully_shard import GPT, Block  # noqa: E402
 
 import megatron_fsdp  # noqa: E402
@@ -99,31 +100,15 @@ def count_torch_collectives() -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=384)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4, help="per rank")
-    p.add_argument("--vocab", type=int, default=8192)
+    add_model_shape_args(p, vocab=8192)
     p.add_argument("--steps", type=int, default=6, help="timed steps per implementation in each round")
     p.add_argument("--repeats", type=int, default=5, help="timing rounds (the spread is over these)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--memory-steps", type=int, default=2, help="steps per implementation in the memory pass")
     p.add_argument("--impls", default=",".join(IMPLS))
-    p.add_argument("--pool", choices=("keep", "release", "off"), default="keep",
-                   help="megatron_fsdp's buffer pool: keep its memory between steps (the library's default), "
-                        "release it after backward, or off (plain allocations, EngineOptions(buffer_pool=False))")
-    p.add_argument("--local-step", choices=("on", "off"), default="on",
-                   help="megatron_fsdp_model's fully_shard_optimizer(step_on_local_shards=...), on by default")
-    p.add_argument("--reduces-in-flight", type=int, default=None,
-                   help="megatron_fsdp's limit on gradient reductions in flight (EngineOptions.max_reduces_in_flight)")
-    p.add_argument("--gloo-paths", choices=("on", "off"), default="on",
-                   help="megatron_fsdp's gloo fast paths (EngineOptions.gloo_fast_paths, on by default): "
-                        "off measures plain all-gather/reduce-scatter")
+    add_engine_option_args(p)
     args = p.parse_args()
-    unknown = [n for n in args.impls.split(",") if n not in IMPLS]
-    if unknown:
-        p.error(f"--impls: unknown implementation(s) {unknown}; choose from {', '.join(IMPLS)}")
+    check_impls(p, args.impls, IMPLS)
     return args
 
 

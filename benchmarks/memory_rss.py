@@ -52,6 +52,8 @@ import sys
 import tempfile
 import tracemalloc
 
+from bench_args import add_engine_option_args, add_model_shape_args, check_impls
+
 IMPLS = ("megatron_fsdp", "megatron_fsdp_model", "fsdp2", "ddp")
 FIGURES = ("import", "build", "start", "first_step", "setup", "step_peak", "whole_run")
 LABELS = {
@@ -68,29 +70,18 @@ MMAP_THRESHOLD = str(1 << 16)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=384)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4, help="per rank")
-    p.add_argument("--vocab", type=int, default=512)
+    add_model_shape_args(p, vocab=512)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--runs", type=int, default=5, help="jobs per implementation (the spread is over these)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--meta", action="store_true", help="build on the meta device, materialize after sharding")
-    # megatron_fsdp's options, as compare.py takes them (it runs its CPU memory pass through this script)
-    p.add_argument("--pool", choices=("keep", "release", "off"), default="keep")
-    p.add_argument("--local-step", choices=("on", "off"), default="on")
-    p.add_argument("--reduces-in-flight", type=int, default=None)
-    p.add_argument("--gloo-paths", choices=("on", "off"), default="on")
+    add_engine_option_args(p)  # as compare.py takes them (it runs its CPU memory pass through this script)
     p.add_argument("--trace", action="store_true",
                    help="one job of each of --impls: what is alive at the last step's peak (torch.profiler)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON output path of a launched job
     args = p.parse_args(argv)
-    unknown = [n for n in args.impls.split(",") if n not in IMPLS]
-    if unknown:
-        p.error(f"--impls: unknown implementation(s) {unknown}; choose from {', '.join(IMPLS)}")
+    check_impls(p, args.impls, IMPLS)
     return args
 
 

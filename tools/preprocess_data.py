@@ -41,6 +41,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     group.add_argument("--tokenizer-type", type=str, required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--tokenizer-model", type=str, default=None, help="local HuggingFaceTokenizer path")
     group.add_argument("--vocab-size", type=int, default=None, help="ids per NullTokenizer (eod = vocab size)")
+    group.add_argument("--vocab-file", type=str, default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
+    group.add_argument("--merge-file", type=str, default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
     group.add_argument("--append-eod", action="store_true", help="end every document with the eod id")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", type=str, required=True, help="writes PREFIX_{key}_document.bin/.idx")
@@ -58,6 +60,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--workers must be >= 1, got {args.workers}")
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         parser.error("--tokenizer-type NullTokenizer requires --vocab-size")
+    if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
+        parser.error("--tokenizer-type GPT2BPETokenizer requires --vocab-file (vocab.json) and --merge-file (merges.txt)")
     if not os.path.isfile(args.input):
         parser.error(f"--input {args.input} does not exist")
     return args
@@ -66,7 +70,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _init_worker(args: argparse.Namespace) -> None:
     global _TOKENIZER, _ARGS
     _ARGS = args
-    _TOKENIZER = build_tokenizer_from(args.tokenizer_type, args.vocab_size, args.tokenizer_model)
+    _TOKENIZER = build_tokenizer_from(args.tokenizer_type, args.vocab_size, args.tokenizer_model, args.vocab_file,
+                                     args.merge_file)
 
 
 def encode(numbered_line: tuple[int, str]) -> tuple[dict[str, list[list[int]]] | None, int]:

@@ -31,7 +31,7 @@ from .megatron_flags import (
     validate_megatron_compat_args,
 )
 from .moe_arguments import add_moe_args, validate_moe_args
-from .tokenizer import TOKENIZER_TYPES
+from .tokenizer import TOKENIZER_TYPES, resolve_tokenizer_files
 
 STRATEGIES = STRATEGY_NAMES
 
@@ -230,6 +230,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_numbers(args)
     _validate_query_groups(args)
     validate_megatron_compat_args(args, _fail)
+    resolve_tokenizer_files(args, lambda flag: flag in getattr(args, "argv_flags", ()), _fail)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:

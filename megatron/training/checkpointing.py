@@ -50,7 +50,14 @@ from .errors import UsageFileNotFoundError, UsageValueError
 from .initialize import print_rank_0
 from .optimizer_param_scheduler import OptimizerParamScheduler
 from .parallel_state import ParallelLayout
-from .rng_tracker import TRACKER_KEY, gather_tracker_states, mcore_rng_tracker, restore_tracker_states
+from .rng_tracker import (
+    MODEL_PARALLEL_TRACKER_KEY,
+    TRACKER_KEY,
+    gather_tracker_states,
+    get_model_parallel_rng_tracker,
+    mcore_rng_tracker,
+    restore_tracker_states,
+)
 
 # The flags that define the model a checkpoint holds (compared at --load; saved in extra.pt's "args").
 MODEL_ARGS = (
@@ -113,9 +120,12 @@ def save(args: argparse.Namespace, state: RunState, module: nn.Module, optimizer
         "consumed_valid_samples": state.consumed_valid_samples,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
     }
-    tracker_states = gather_tracker_states(mcore_rng_tracker())  # megatron-core's CUDA RNG tracker (rng_tracker.py)
-    if tracker_states is not None:
-        extra[TRACKER_KEY] = tracker_states
+    # megatron-core's CUDA RNG tracker and the own GPT's model-parallel RNG, every rank's (rng_tracker.py)
+    trackers = ((TRACKER_KEY, mcore_rng_tracker()), (MODEL_PARALLEL_TRACKER_KEY, get_model_parallel_rng_tracker()))
+    for key, tracker in trackers:
+        tracker_states = gather_tracker_states(tracker)
+        if tracker_states is not None:
+            extra[key] = tracker_states
     path = save_checkpoint(args.save, state.iteration, module, optimizer, extra=extra,
                            model_parallel=model_parallel(args, layout))
     print_rank_0(f"  successfully saved checkpoint from iteration {state.iteration:7d} to {path}")
@@ -200,6 +210,15 @@ def _padding_hint(saved: dict[str, Any], args: argparse.Namespace) -> str:
             "layouts pad to the same size (train and resume with it). ")
 
 
+class LoadMismatchError(UsageValueError, CheckpointMismatchError):
+    """A strict ``--load`` whose tensors do not fit this model, in command-line terms.
+
+    A ``UsageError`` (printed once, without a traceback: every rank raises it at the same point,
+    the key report being merged across ranks) and still the library's ``CheckpointMismatchError``
+    for callers that catch that.
+    """
+
+
 def _mismatch_message(args: argparse.Namespace, error: CheckpointMismatchError) -> str:
     """A strict load's mismatch in command-line terms (the library's advice, ``strict=False``, is no flag)."""
     skipped = "--finetune or --no-load-args-check" if (args.finetune or args.no_load_args_check) else ""
@@ -260,12 +279,20 @@ def load(args: argparse.Namespace, module: nn.Module, optimizer: torch.optim.Opt
     except CheckpointMismatchError as error:
         if error.report is None:
             raise
-        raise CheckpointMismatchError(_mismatch_message(args, error)) from error
+        mismatch = LoadMismatchError(_mismatch_message(args, error))
+        mismatch.report, mismatch.where = error.report, error.where
+        raise mismatch from error
     print_rank_0(f"  successfully loaded checkpoint from {located.directory} at iteration {loaded.iteration}")
-    warning = restore_tracker_states(mcore_rng_tracker(), loaded.extra, rng_restored=loaded.rng_restored,
-                                     where=f"--load {args.load}")
-    if warning is not None:
-        print_rank_0(warning)
+    own_gpt_forks = layout.tp.size > 1 and getattr(args, "model_provider", "gpt") != "mcore"
+    trackers = ((TRACKER_KEY, mcore_rng_tracker(), True),
+                (MODEL_PARALLEL_TRACKER_KEY, get_model_parallel_rng_tracker(), own_gpt_forks))
+    for key, tracker, draws_masks in trackers:
+        # a checkpoint written before the model-parallel RNG existed holds none of its states: it loads, the
+        # tracker keeps this run's seeding, and where the project's GPT forks it (TP > 1) a warning says so
+        warning = restore_tracker_states(tracker, loaded.extra, rng_restored=loaded.rng_restored,
+                                         where=f"--load {args.load}", key=key, draws_masks=draws_masks)
+        if warning is not None:
+            print_rank_0(warning)
     if finetune:
         return RunState()
     extra = loaded.extra

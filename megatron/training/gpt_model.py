@@ -21,6 +21,13 @@ loss computed on vocabulary-parallel logits. At TP size 1 each layer is the plai
 one (the same arithmetic); at any size the initial weights are the slices of the
 TP-1 model's (each layer draws the full weight and keeps its slice).
 
+Dropout follows Megatron's RNG rules (rng_tracker.py, docs/megatron.md "Dropout and
+random seeds"): at TP size > 1 attention dropout (each TP rank's own heads) draws from
+the model-parallel RNG, seeded ``seed + 2718 + tp_rank``, and so, under sequence
+parallelism, do the embedding and hidden dropouts (each TP rank's own tokens); without
+sequence parallelism the embedding and hidden dropouts act on activations every TP rank
+holds alike and draw from the default generator, the same on every rank.
+
 Mixture of Experts (``--num-experts``): every layer's MLP is a ``MoELayer``
 (``megatron_fsdp.parallel.moe``) whose experts are spread over the expert-parallel
 group ``ep``; expert ``e`` has the same initial weights at any EP size (docs/moe.md).
@@ -52,6 +59,8 @@ from megatron_fsdp.parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from megatron_fsdp.parallel.moe import MoELayer
+
+from .rng_tracker import tp_region_rng
 
 
 @dataclass(frozen=True)
@@ -179,7 +188,7 @@ class SelfAttention(nn.Module):
 
     def __init__(self, config: GPTConfig, output_std: float, tp: TensorParallel, cp: ContextParallel) -> None:
         super().__init__()
-        self.cp = cp
+        self.cp, self.tp = cp, tp
         self.head_dim = config.head_dim
         self.heads = tp.divide(config.num_attention_heads, "--num-attention-heads")  # this TP rank's
         self.groups = tp.divide(config.query_groups, "--num-query-groups")
@@ -210,9 +219,9 @@ class SelfAttention(nn.Module):
         if self.groups != self.heads:
             repeat = self.heads // self.groups
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
-        )
+        dropout = self.dropout if self.training else 0.0
+        with tp_region_rng(self.tp, active=dropout > 0):  # this TP rank's heads: its own masks (Megatron's fork)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -258,11 +267,17 @@ class TransformerLayer(nn.Module):
                                 swiglu=config.swiglu, std=config.init_method_std, output_std=output_std,
                                 aux_loss_coeff=config.moe_aux_loss_coeff, layer_number=layer_number, ep=ep)
         self.dropout = nn.Dropout(config.hidden_dropout)
+        self.tp = tp
+        self.draws = config.hidden_dropout > 0 or config.attention_dropout > 0
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.input_norm(x), rotary, mask))
-        return x + self.dropout(self.mlp(self.pre_mlp_norm(x)))
+        # Under sequence parallelism the residual stream is this TP rank's tokens: the whole layer draws from the
+        # model-parallel RNG (megatron-core's TransformerBlock forks around its layers); otherwise the hidden
+        # dropout acts on activations every TP rank holds alike and draws from the default generator.
+        with tp_region_rng(self.tp, active=self.tp.sequence_parallel and self.training and self.draws):
+            x = x + self.dropout(self.attention(self.input_norm(x), rotary, mask))
+            return x + self.dropout(self.mlp(self.pre_mlp_norm(x)))
 
 
 class GPTModel(nn.Module):
@@ -324,7 +339,10 @@ class GPTModel(nn.Module):
             rotary = (cos, sin) if self.cp.size == 1 else (cos[indices], sin[indices])
         if self.tp.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp)
-        x = self.embedding_dropout(x)
+        # this TP rank's tokens under sequence parallelism: its own masks (megatron-core's embedding forks)
+        sp_dropout = self.tp.sequence_parallel and self.training and self.config.hidden_dropout > 0
+        with tp_region_rng(self.tp, active=sp_dropout):
+            x = self.embedding_dropout(x)
         for layer in self.layers:
             x = layer(x, rotary, mask)
         x = self.final_norm(x)

@@ -25,14 +25,16 @@ def initialize_distributed(args: argparse.Namespace) -> torch.device:
     if backend == "nccl" and not torch.cuda.is_available():
         raise UsageRuntimeError("--distributed-backend nccl needs CUDA, and no CUDA device is available")
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            # A plain `python pretrain_gpt.py`: one process, as torchrun would set it up.
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
         # A rank that stops calling collectives (an exception on it alone, a skipped forward) leaves the
         # others waiting this long before the group reports it.
-        minutes = getattr(args, "distributed_timeout_minutes", 10)
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=minutes))
+        timeout = datetime.timedelta(minutes=getattr(args, "distributed_timeout_minutes", 10))
+        if "RANK" not in os.environ:
+            # A plain `python pretrain_gpt.py`: one process, as torchrun would set it up, but with an
+            # in-memory store: no port to bind, so two such runs side by side never clash.
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     else:
         backend = str(dist.get_backend())
     args.distributed_backend = backend

@@ -194,9 +194,9 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
     "--timing-log-level": ("no-op", "this front-end has one timer (the iteration time); levels 1 and 2 add "
                            "Megatron's per-phase timers, which do not exist here"),
     "--logging-level": ("effect", "the level of Python's root logger"),
-    "--vocab-file": ("stops", "read by Megatron's GPT2BPETokenizer, which this front-end does not have; use "
-                     "--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR (the same BPE)"),
-    "--merge-file": ("stops", "as --vocab-file"),
+    "--vocab-file": ("effect", "GPT-2's vocab.json for --tokenizer-type GPT2BPETokenizer (selected when the two "
+                     "files are given without a --tokenizer-type, as Megatron-LM's configurations do)"),
+    "--merge-file": ("effect", "GPT-2's merges.txt, as --vocab-file"),
     "--data-cache-path": ("no-op", "dataset indices are built in memory at start and never cached to disk"),
     "--lr-warmup-fraction": ("effect", "warmup iterations = fraction x --lr-decay-iters (Megatron's rule; not with "
                              "--lr-warmup-iters)"),
@@ -402,8 +402,6 @@ def _given(args: argparse.Namespace, flag: str) -> bool:
 
 def _check_stops(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
     for flag, on in (
-        ("--vocab-file", args.vocab_file is not None),
-        ("--merge-file", args.merge_file is not None),
         ("--fp8-format", args.fp8 is not None),
         ("--fp8-recipe", args.fp8_recipe != "delayed" and args.fp8 is None),
         ("--fp8-param-gather", args.fp8_param_gather),

@@ -4,6 +4,10 @@
   the end-of-document id is ``--vocab-size`` itself, so ``vocab_size`` is ``--vocab-size + 1``.
 * ``ByteTokenizer`` (ours, works offline with no files): ids 0..255 are the UTF-8 bytes of the
   text, the end-of-document id is 256, ``vocab_size`` is 257. ``--vocab-size`` is ignored.
+* ``GPT2BPETokenizer`` (Megatron's): GPT-2's byte-level BPE from ``--vocab-file`` (vocab.json)
+  and ``--merge-file`` (merges.txt), local files (``gpt2_bpe.py``); ``eod`` is ``<|endoftext|>``.
+  Megatron-LM's configurations pass the two files without ``--tokenizer-type``: given both and
+  no type, this tokenizer is used.
 * ``HuggingFaceTokenizer``: ``--tokenizer-model`` is a local ``tokenizer.json`` (or a directory
   holding one), read with ``tokenizers``, or a saved ``transformers`` tokenizer directory (with
   ``tokenizer_config.json``), read with ``AutoTokenizer``. Nothing is downloaded. ``eod`` is the
@@ -16,12 +20,13 @@ and ``detokenize(ids)``. The trainer pads ``vocab_size`` for the embedding table
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .errors import UsageValueError
+from .gpt2_bpe import GPT2BPETokenizer
 
-TOKENIZER_TYPES = ("NullTokenizer", "ByteTokenizer", "HuggingFaceTokenizer")
+TOKENIZER_TYPES = ("NullTokenizer", "ByteTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
 
 
 class NullTokenizer:
@@ -148,23 +153,49 @@ class HuggingFaceTokenizer:
         return self._fast.decode(ids)
 
 
+Tokenizer = NullTokenizer | ByteTokenizer | GPT2BPETokenizer | HuggingFaceTokenizer
+
+
 def build_tokenizer_from(
-    tokenizer_type: str, vocab_size: int | None = None, tokenizer_model: str | None = None
-) -> NullTokenizer | ByteTokenizer | HuggingFaceTokenizer:
+    tokenizer_type: str, vocab_size: int | None = None, tokenizer_model: str | None = None,
+    vocab_file: str | None = None, merge_file: str | None = None,
+) -> Tokenizer:
     """Build a tokenizer from explicit settings (the preprocessing tool and tests use this)."""
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model)
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; valid: {', '.join(TOKENIZER_TYPES)}")
 
 
-def build_tokenizer(args: Any) -> NullTokenizer | ByteTokenizer | HuggingFaceTokenizer:
-    """Build the tokenizer named by ``args.tokenizer_type`` (reads ``vocab_size``, ``tokenizer_model``)."""
+def build_tokenizer(args: Any) -> Tokenizer:
+    """Build the tokenizer named by ``args.tokenizer_type`` (reads ``vocab_size``, ``tokenizer_model``,
+    ``vocab_file``, ``merge_file``)."""
     return build_tokenizer_from(
         getattr(args, "tokenizer_type", "NullTokenizer") or "NullTokenizer",
         getattr(args, "vocab_size", None),
         getattr(args, "tokenizer_model", None),
+        getattr(args, "vocab_file", None),
+        getattr(args, "merge_file", None),
     )
+
+
+def resolve_tokenizer_files(args: Any, given: Callable[[str], bool], fail: Callable[[str], None]) -> None:
+    """``--vocab-file``/``--merge-file``: GPT-2 BPE's files; with no ``--tokenizer-type`` they select it.
+
+    ``given(flag)``: whether the flag was on the command line. Files given for another tokenizer
+    would be silently unused, so that stops, naming both flags.
+    """
+    files = [f for f, v in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)) if v is not None]
+    if not files:
+        return
+    if not given("--tokenizer-type"):
+        args.tokenizer_type = "GPT2BPETokenizer"  # Megatron-LM's configurations give the files alone
+    elif args.tokenizer_type != "GPT2BPETokenizer":
+        names = " and ".join(files)
+        fail(f"{names} {'is' if len(files) == 1 else 'are'} read only by --tokenizer-type GPT2BPETokenizer, not by "
+             f"--tokenizer-type {args.tokenizer_type}; drop {names} or choose GPT2BPETokenizer")

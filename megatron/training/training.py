@@ -30,6 +30,7 @@ from .initialize import check_save_dir, initialize_distributed, print_rank_0, se
 from .model_setup import build_adamw, pad_vocab_size
 from .optimizer_param_scheduler import OptimizerParamScheduler
 from .parallel_state import build_layout, set_context_parallel, set_expert_parallel, set_tensor_parallel
+from .rng_tracker import model_parallel_manual_seed
 from .summary import end_of_run_summary, startup_summary
 from .trainer import ForwardStep, Trainer, TrainingResult
 
@@ -61,6 +62,8 @@ def pretrain(
     set_tensor_parallel(layout.tp)  # model providers read them (get_tensor_parallel, get_context_parallel),
     set_context_parallel(layout.cp)  # as they read Megatron's parallel_state
     set_expert_parallel(layout.ep)
+    # Megatron's model-parallel RNG (seed + 2718 + TP rank) for dropout inside TP regions (rng_tracker.py)
+    model_parallel_manual_seed(args.seed, layout.tp.rank, device.type)
     backend = build_backend(args, model_provider, device, layout)
     optimizer = backend.wrap_optimizer(build_adamw(args, backend.model))
     scheduler = OptimizerParamScheduler(

@@ -17,7 +17,7 @@ bitwise what ``DistributedDataParallel`` computes.
 from __future__ import annotations
 
 import contextlib
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_fsdp.comm.lending import on_aliases, return_lent
 from megatron_fsdp.comm.streams import CUDA_STREAMS, Event, StreamProvider, StreamWork, on_side_stream
 
 # torch 2.13 renamed the flat-tensor collectives; 2.11 only has the old names.
@@ -166,6 +167,7 @@ class Pending:
             del self._works[i]
         if not self._works:
             _in_flight.discard(self)
+        return_lent()
         return first
 
     def _fail(self, error: BaseException) -> None:
@@ -191,26 +193,6 @@ class Pending:
     @property
     def failed(self) -> bool:
         return self.error is not None
-
-
-# Note (teardown): the last works this process waited for, kept a while by the main thread.
-# A gloo worker thread drops its own reference to a work just after marking it complete,
-# i.e. possibly after ``wait()`` returned. If that is the last reference, the work's
-# destructor runs on the worker and frees the work's tensors; a tensor whose Python object
-# Python already released is then decref'd there, which needs the GIL. While the main
-# thread finalizes the interpreter a thread asking for the GIL is ended with
-# pthread_exit, whose unwinding through gloo's noexcept frames is std::terminate:
-# "terminate called without an active exception", SIGABRT after the program's last line
-# (issue 25, item 1; seen in a core file: ProcessGroupGloo::runLoop ->
-# ~AsyncAllreduceWork -> decref_pyobject -> take_gil -> pthread_exit). Holding each
-# waited-for work here makes the main thread drop the last reference, later, with the GIL.
-# Only control rounds (small tensors; the last collective of a forward without backward,
-# which is where programs end): data collectives' works hold buffers that must be freed.
-_RETIRED: deque[object] = deque(maxlen=8)
-
-
-def _retire(work: object) -> None:
-    _RETIRED.append(work)
 
 
 def work_completed(work: object) -> bool:
@@ -368,10 +350,10 @@ def all_gather(
         with _issuing(pending):
             for r in range(world):
                 src = dist.get_global_rank(group, r)
-                pending.add(dist.broadcast(output.narrow(0, r * n, n), src=src, group=group, async_op=True))
+                pending.add(on_aliases(dist.broadcast, output.narrow(0, r * n, n), src=src, group=group, async_op=True))
         return pending
     return _issue(pending, comm, stream, output.device, (output, shard), after,
-                  lambda async_op: _all_gather_flat(output, shard, group=group, async_op=async_op))
+                  lambda async_op: on_aliases(_all_gather_flat, output, shard, group=group, async_op=async_op))
 
 
 def reduce_scatter(
@@ -401,10 +383,10 @@ def reduce_scatter(
         piece = input.narrow(0, dist.get_rank(group) * n, n)
         pending = Pending(then=lambda: output.copy_(piece))
         with _issuing(pending):
-            pending.add(dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=True))
+            pending.add(on_aliases(dist.all_reduce, input, op=dist.ReduceOp.SUM, group=group, async_op=True))
         return pending
     return _issue(Pending(), comm, stream, input.device, (output, input), after,
-                  lambda async_op: _reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group,
+                  lambda async_op: on_aliases(_reduce_scatter_flat, output, input, op=dist.ReduceOp.SUM, group=group,
                                                         async_op=async_op))
 
 
@@ -422,7 +404,8 @@ def _exchange_halves(output: torch.Tensor, input: torch.Tensor, group: dist.Proc
     mine = input.narrow(0, me * n, n)
     pending = Pending(then=lambda: output.add_(mine))
     with _issuing(pending):
-        pending.add(dist.all_to_all_single(output, input.narrow(0, (1 - me) * n, n), output_split_sizes=splits,
+        theirs = input.narrow(0, (1 - me) * n, n)
+        pending.add(on_aliases(dist.all_to_all_single, output, theirs, output_split_sizes=splits,
                                            input_split_sizes=splits, group=group, async_op=True))
     return pending
 
@@ -448,7 +431,7 @@ def all_reduce(
     def issue(async_op: bool) -> dist.Work | None:
         if accumulate is not None:
             tensor.add_(accumulate)
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return on_aliases(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
     kept = (tensor,) if accumulate is None else (tensor, accumulate)
     return _issue(Pending(), comm, stream, tensor.device, kept, after, issue)
@@ -462,13 +445,11 @@ def broadcast(
     src = dist.get_global_rank(group, src_rank)
     pending = Pending()
     with _issuing(pending):
-        pending.add(dist.broadcast(tensor, src=src, group=group, async_op=True))
+        pending.add(on_aliases(dist.broadcast, tensor, src=src, group=group, async_op=True))
     return pending
 
 
 def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup, *, comm: CommConfig = DEFAULT_COMM) -> None:
     """Element-wise maximum of ``tensor`` over ``group``, in place, waited for (control rounds)."""
     comm.record("control", tensor)
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    work.wait()
-    _retire(work)
+    on_aliases(dist.all_reduce, tensor, op=dist.ReduceOp.MAX, group=group, async_op=True).wait()

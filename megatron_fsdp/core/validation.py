@@ -26,6 +26,8 @@ import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from megatron_fsdp.comm.lending import on_aliases
+
 # torch 2.13's FSDP2 ``DataParallelMeshDims``; None on a torch without it (2.11).
 DataParallelMeshDims: type | None = getattr(torch_fsdp, "DataParallelMeshDims", None)
 
@@ -208,7 +210,7 @@ def check_same_across_ranks(
         if dist.get_world_size(group) == 1:
             continue
         probe = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
-        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+        on_aliases(dist.all_reduce, probe, op=dist.ReduceOp.MAX, group=group)
         if int(probe[0]) == fingerprint and int(probe[1]) == -fingerprint:
             continue
         per_rank: list[Any] = [None] * dist.get_world_size(group)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_fsdp.comm.lending import on_aliases
 from megatron_fsdp.parallel.comm_bytes import record
 from megatron_fsdp.parallel.tp_group import TensorParallel
 
@@ -22,7 +23,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
         logits_max = logits.max(dim=-1).values
         record("tp_all_reduce", logits_max)
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp.group)
+        on_aliases(dist.all_reduce, logits_max, op=dist.ReduceOp.MAX, group=tp.group)
         shifted = logits - logits_max.unsqueeze(-1)
         rows = logits.shape[-1]
         start = tp.rank * rows
@@ -30,11 +31,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = (target - start).masked_fill(outside, 0)
         predicted = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         record("tp_all_reduce", predicted)
-        dist.all_reduce(predicted, group=tp.group)
+        on_aliases(dist.all_reduce, predicted, group=tp.group)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
         record("tp_all_reduce", sum_exp)
-        dist.all_reduce(sum_exp, group=tp.group)
+        on_aliases(dist.all_reduce, sum_exp, group=tp.group)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)
         return sum_exp.log() - predicted
 

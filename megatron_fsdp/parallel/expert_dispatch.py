@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_fsdp.comm.lending import on_aliases
 from megatron_fsdp.parallel.comm_bytes import record
 
 
@@ -68,7 +69,8 @@ def _exchange(x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
     x = x.contiguous()
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     record("ep_all_to_all", x)
-    dist.all_to_all_single(out, x, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group)
+    on_aliases(dist.all_to_all_single, out, x, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                           group=group)
     return out
 
 
@@ -88,7 +90,7 @@ def exchange_counts(counts: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
         return counts.clone()
     received = torch.empty_like(counts)
     record("ep_all_to_all", counts)
-    dist.all_to_all_single(received, counts.contiguous(), group=ep.group)
+    on_aliases(dist.all_to_all_single, received, counts.contiguous(), group=ep.group)
     return received
 
 

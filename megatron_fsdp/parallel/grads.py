@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from megatron_fsdp.comm.lending import on_aliases
 from megatron_fsdp.parallel.comm_bytes import record
 from megatron_fsdp.parallel.tp_group import TensorParallel
 
@@ -31,7 +32,7 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], tp: Tensor
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     record("tp_all_reduce", flat)
-    dist.all_reduce(flat, group=tp.group)
+    on_aliases(dist.all_reduce, flat, group=tp.group)
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_fsdp.comm.lending import on_aliases
 from megatron_fsdp.parallel.comm_bytes import record
 from megatron_fsdp.parallel.tp_group import TensorParallel
 
@@ -37,7 +38,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 def _all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     x = x.contiguous().clone()  # never reduce into a tensor autograd saved
     record("tp_all_reduce", x)
-    dist.all_reduce(x, group=tp.group)
+    on_aliases(dist.all_reduce, x, group=tp.group)
     return x
 
 
@@ -55,7 +56,7 @@ def gather_along(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, di
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     record(f"{kind}_all_gather", out)
-    _all_gather_flat(out, x, group=group)
+    on_aliases(_all_gather_flat, out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -65,7 +66,7 @@ def reduce_scatter_along(x: torch.Tensor, group: dist.ProcessGroup | None, size:
     x = x.movedim(dim, 0).contiguous()
     record(f"{kind}_reduce_scatter", x)
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_flat(out, x, group=group)
+    on_aliases(_reduce_scatter_flat, out, x, group=group)
     return out.movedim(0, dim)
 
 

@@ -65,6 +65,7 @@ DROPOUT = "--attention-dropout 0.1 --hidden-dropout 0.1 --eval-interval 4 --eval
 # at most 2.0e-3 relative; the same resume without the optimizer state (--no-load-optim) is off by up to
 # 6.9e-3, one from scratch by 10%. The dropout masks are deterministic, so these numbers are too.
 OTHER_WORLD_DROPOUT_RTOL = 4e-3
+TP2_SP = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
 
 
 CONFIGS: dict[str, Config] = {c.name: c for c in (
@@ -98,6 +99,15 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
          baseline="dropout", last=8, baseline_rtol=0.0),
     _cfg("resume_dropout", 2, " ".join([*FSDP, "optim_grads_params", DROPOUT, "--load {ckpt}-dropout"]),
          baseline="dropout", first=9, baseline_rtol=0.0),
+    # Dropout under TP2 x DP1 with sequence parallelism: every dropout draws from the model-parallel RNG
+    # (seed + 2718 + TP rank), whose states the checkpoint must restore per rank for a bitwise resume.
+    _cfg("tp2_sp_dropout", 2, " ".join([*FSDP, "optim_grads_params", DROPOUT, *TP2_SP])),
+    _cfg("save_tp2_sp_dropout", 2, " ".join([*FSDP, "optim_grads_params", DROPOUT, *TP2_SP,
+                                             "--save {ckpt}-tp2-sp-dropout --save-interval 4 --exit-interval 8"]),
+         baseline="tp2_sp_dropout", last=8, baseline_rtol=0.0),
+    _cfg("resume_tp2_sp_dropout", 2, " ".join([*FSDP, "optim_grads_params", DROPOUT, *TP2_SP,
+                                               "--load {ckpt}-tp2-sp-dropout"]),
+         baseline="tp2_sp_dropout", first=9, baseline_rtol=0.0),
     # A TP2 x DP1 checkpoint (saved at 8): resumed at TP1 x DP4 below. TP2 matches DP alone within fp32 rounding.
     _cfg("save_tp2_zero3", 2, " ".join([*FSDP, "optim_grads_params", "--tensor-model-parallel-size 2",
                                         "--save {ckpt}-tp2 --save-interval 4 --exit-interval 8"]),

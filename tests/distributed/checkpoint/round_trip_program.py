@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
 from megatron_fsdp import fully_shard
+from megatron_fsdp.comm.collectives import all_gather, all_reduce_max
 
 FULL = StateDictOptions(full_state_dict=True)
 
@@ -75,6 +76,28 @@ def round_trip(mode: str, directory: str) -> list[nn.Module]:
     x = torch.randn(4, 7)
     assert torch.equal(b(x), c(x)), "forward after the round trip"
     return [a, b, c]
+
+
+def collectives_then_exit(rank: int, port: int) -> None:
+    """Our gloo collectives on temporaries (the all-gather's per-rank views, a control round), then exit.
+
+    The exit race of ``megatron_fsdp/comm/lending.py`` in its barest form: without lending,
+    this aborted at exit ("terminate called without an active exception") in 2-6 of 20 runs on
+    the busy 2-core machine; the process group stays referenced through the teardown, as a
+    wrapped model's does.
+    """
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    group = dist.group.WORLD
+    output = torch.zeros(4096)
+    for step in range(20):
+        all_gather(output, torch.full((2048,), float(rank + step)), group).wait()
+        all_reduce_max(torch.tensor([step + rank]), group)
+    expected = torch.cat([torch.full((2048,), float(r + 19)) for r in range(2)])
+    assert torch.equal(output, expected), "the gathered values"
+    dist.destroy_process_group()
+    del group
 
 
 def run(rank: int, port: int, mode: str, directory: str) -> None:

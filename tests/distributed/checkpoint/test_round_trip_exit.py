@@ -32,3 +32,15 @@ def test_round_trips_exit_cleanly_on_every_rank(mode, tmp_path):
         except mp.ProcessRaisedException as error:
             failures.append(f"run {run}: {str(error)[-400:]}")
     assert not failures, f"{len(failures)} of {RUNS} runs lost a rank:\n" + "\n".join(failures)
+
+
+def test_collectives_on_temporaries_exit_cleanly_on_every_rank():
+    """comm/lending.py: 8 bare runs of our collectives then exit (2-6 in 20 aborted before lending)."""
+    failures = []
+    for run in range(8):
+        try:
+            mp.start_processes(round_trip_program.collectives_then_exit, args=(free_port(),), nprocs=2,
+                               start_method="spawn", join=True)
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as error:
+            failures.append(f"run {run}: {str(error)[-400:]}")
+    assert not failures, f"{len(failures)} of 8 runs lost a rank:\n" + "\n".join(failures)

@@ -1,4 +1,5 @@
-"""megatron-core's CUDA RNG tracker states through ``--save``/``--load`` at 2 ranks (megatron/training/rng_tracker.py).
+"""RNG tracker states through ``--save``/``--load`` at 2 ranks (megatron/training/rng_tracker.py): megatron-core's
+CUDA RNG tracker and the project's GPT's model-parallel RNG.
 
 Each rank's tracker holds its own states (as under data-parallel random init or tensor
 parallelism); a resume must give every rank back its own, not rank 0's.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import io
 from collections.abc import Iterator
 
 import torch
@@ -15,7 +18,14 @@ import torch.distributed as dist
 
 from megatron.training import checkpointing
 from megatron.training.config import RunState
-from megatron.training.rng_tracker import TRACKER_KEY
+from megatron.training.rng_tracker import (
+    MODEL_PARALLEL_RNG,
+    MODEL_PARALLEL_TRACKER_KEY,
+    TRACKER_KEY,
+    get_model_parallel_rng_tracker,
+    model_parallel_manual_seed,
+)
+from megatron_fsdp.parallel import TensorParallel
 from tests.distributed.harness import check, shared_tmpdir
 from tests.fake_rng_tracker import FakeTracker, checkpoint_parts
 
@@ -33,13 +43,17 @@ def tracker_in_use(tracker: FakeTracker) -> Iterator[None]:
         checkpointing.mcore_rng_tracker = real
 
 
+def _args(directory: str) -> argparse.Namespace:
+    """The flags checkpointing.save/load read: save to and resume from ``directory``, everything restored."""
+    return argparse.Namespace(save=directory, load=directory, finetune=False, no_load_optim=False, no_load_rng=False,
+                              allow_fresh_start=False, no_load_args_check=False)
+
 
 @check(SUITE, world_sizes=(2,))
 def each_rank_gets_its_own_tracker_states_back() -> None:
     rank = dist.get_rank()
     with shared_tmpdir() as directory:
-        args = argparse.Namespace(save=directory, load=directory, finetune=False, no_load_optim=False,
-                                  no_load_rng=False, allow_fresh_start=False, no_load_args_check=False)
+        args = _args(directory)
         saving = FakeTracker(seed=100 + rank)
         with tracker_in_use(saving):
             checkpointing.save(args, RunState(iteration=2, consumed_train_samples=8), *checkpoint_parts())
@@ -51,3 +65,45 @@ def each_rank_gets_its_own_tracker_states_back() -> None:
         assert torch.equal(resuming.states["model-parallel-rng"], saving.states["model-parallel-rng"]), rank
         other = FakeTracker(seed=100 + (1 - rank))
         assert not torch.equal(resuming.states["model-parallel-rng"], other.states["model-parallel-rng"])
+
+
+@check(SUITE, world_sizes=(2,))
+def each_rank_gets_its_own_model_parallel_rng_back() -> None:
+    """The project's GPT's tracker (seed + 2718 + TP rank; here each rank as TP rank = its rank): the stream a
+    resumed rank draws from continues where its own saved stream stopped. A checkpoint without those states
+    (written before the tracker existed) loads and leaves this run's seeding in place."""
+    rank, tracker = dist.get_rank(), get_model_parallel_rng_tracker()
+    try:
+        with shared_tmpdir() as directory:
+            model_parallel_manual_seed(10, tp_rank=rank)
+            with tracker.fork():
+                torch.rand(7)  # the stream moved on before the save
+            checkpointing.save(_args(directory), RunState(iteration=2, consumed_train_samples=8),
+                               *checkpoint_parts())
+            with tracker.fork():
+                expected = torch.rand(5)  # what an uninterrupted run draws next
+            extra = torch.load(f"{directory}/iter_0000002/extra.pt", weights_only=False)
+            assert len(extra[MODEL_PARALLEL_TRACKER_KEY]) == 2, extra[MODEL_PARALLEL_TRACKER_KEY]
+            model_parallel_manual_seed(10, tp_rank=rank)  # a new job, seeded afresh, then resumed
+            checkpointing.load(_args(directory), *checkpoint_parts())
+            with tracker.fork():
+                assert torch.equal(torch.rand(5), expected), f"rank {rank}: the resumed stream is not its own"
+        with shared_tmpdir() as directory:
+            tracker.reset()  # saved with no tracker states: what a checkpoint from before the tracker holds
+            checkpointing.save(_args(directory), RunState(iteration=2, consumed_train_samples=8),
+                               *checkpoint_parts())
+            extra = torch.load(f"{directory}/iter_0000002/extra.pt", weights_only=False)
+            assert MODEL_PARALLEL_TRACKER_KEY not in extra, list(extra)
+            model_parallel_manual_seed(10, tp_rank=rank)
+            seeded = tracker.get_states()[MODEL_PARALLEL_RNG]
+            model, optimizer, scheduler, layout = checkpoint_parts()
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):  # at TP 2, where the project's GPT forks the tracker
+                checkpointing.load(_args(directory), model, optimizer, scheduler,
+                                   dataclasses.replace(layout, tp=TensorParallel.from_group(dist.group.WORLD)))
+            assert torch.equal(tracker.get_states()[MODEL_PARALLEL_RNG], seeded), "an old checkpoint moved the tracker"
+            if rank == 0:
+                assert "holds no model-parallel RNG tracker states; the tracker keeps this run's seeding" in (
+                    printed.getvalue()), printed.getvalue()
+    finally:
+        tracker.reset()

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from megatron.training.gpt_model import GPTConfig, GPTModel, TransformerLayer
 from megatron_fsdp import FSDPModule, microbatch
 from megatron_fsdp.mcore import FullyShardedDataParallel
+from tests.distributed.core.engine_checks import expect_error
 from tests.distributed.harness import check
 
 SUITE = "mcore_adapter"
@@ -134,15 +135,6 @@ def methods_do_what_megatron_expects() -> None:
     n = dist.get_world_size()
     for (name, a), (_, b) in zip(summed.named_parameters(), averaged.named_parameters()):
         torch.testing.assert_close(a.grad.full_tensor(), b.grad.full_tensor() * n, msg=name)
-
-
-def expect_error(kind: type[Exception], fragment: str, fn) -> None:
-    try:
-        fn()
-    except kind as error:
-        assert fragment in str(error), f"{fragment!r} not in {error}"
-    else:
-        raise AssertionError(f"expected {kind.__name__} mentioning {fragment!r}")
 
 
 @check(SUITE, world_sizes=(2,))

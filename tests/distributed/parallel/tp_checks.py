@@ -13,8 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.overrides import TorchFunctionMode
 
 from megatron.training.gpt_model import GPTConfig, GPTModel
+from megatron.training.rng_tracker import get_model_parallel_rng_tracker, model_parallel_manual_seed
 from megatron_fsdp import FSDPModule, comm_stats, fully_shard
 from megatron_fsdp.optim.grad_norm import get_grad_norm
 from megatron_fsdp.parallel import (
@@ -248,3 +250,100 @@ def fsdp_bytes_at_tp2_dp2_are_the_zero3_minimum_of_the_slice():
     full = sum(p.numel() for p in GPTModel(config).parameters())
     assert sharded == local < full, (sharded, local, full)
     assert padding <= 0.05 * local, (padding, local)
+
+
+def _rng_state() -> torch.Tensor:
+    """The default generator of this rank's device (what dropout kernels draw from)."""
+    return torch.cuda.get_rng_state() if device_type() == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(state: torch.Tensor) -> None:
+    torch.cuda.set_rng_state(state) if device_type() == "cuda" else torch.set_rng_state(state)
+
+
+class _DropoutMasks(TorchFunctionMode):
+    """Records the mask of every dropout a forward draws, in call order: ``(kind, mask)``.
+
+    Each call is replayed at the generator state it started from on probe inputs of the
+    same shapes (the same kernel, the same draws): ``F.dropout`` on ones gives its mask;
+    attention (``scaled_dot_product_attention``) with zero queries and keys and fixed
+    values gives outputs that are a fixed function of its dropout mask (equal masks,
+    equal outputs). The generator is then left where the real call left it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks: list[tuple[str, torch.Tensor]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+            training = args[2] if len(args) > 2 else kwargs.get("training", True)
+            if not training or p == 0:
+                return func(*args, **kwargs)
+            before = _rng_state()
+            out = func(*args, **kwargs)
+            after = _rng_state()
+            _set_rng_state(before)
+            self.masks.append(("dropout", func(torch.ones_like(args[0]), p, True) != 0))
+        elif func is F.scaled_dot_product_attention and kwargs.get("dropout_p", 0.0) > 0:
+            before = _rng_state()
+            out = func(*args, **kwargs)
+            after = _rng_state()
+            _set_rng_state(before)
+            q, k, v = args[:3]
+            probe = torch.rand(v.shape, generator=torch.Generator().manual_seed(0)).to(v)
+            self.masks.append(("attention", func(torch.zeros_like(q), torch.zeros_like(k), probe, **kwargs)))
+        else:
+            return func(*args, **kwargs)
+        _set_rng_state(after)
+        return out
+
+
+@check(SUITE, world_sizes=(2, 4), params={"sequence_parallel": [False, True]})
+def dropout_masks_follow_megatrons_rng_rules(sequence_parallel: bool):
+    """TP2 (x DP2 at 4 ranks), dropout 0.5: where megatron-core forks its model-parallel RNG (seed + 2718 +
+    TP rank), masks differ across TP ranks: attention dropout (each rank's own heads) always, and under
+    sequence parallelism the embedding and hidden dropouts (each rank's own tokens). Without it those act
+    on activations every TP rank holds alike, draw from the default generator and agree. Data-parallel
+    replicas draw alike (Megatron's seeds do not depend on the DP rank), and TP ranks' default generators
+    stay in step (under SP the forward draws nothing from it at all)."""
+    mesh = init_device_mesh(device_type(), (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
+    tp = TensorParallel.from_group(mesh.get_group("tp"), sequence_parallel)
+    config = _config(attention_dropout=0.5, hidden_dropout=0.5, max_position_embeddings=16)
+    torch.manual_seed(7)
+    model = GPTModel(config, tp).to(device()).train()
+    model_parallel_manual_seed(1234, tp.rank, device_type())
+    tokens = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3)).to(device())
+    default_before = _rng_state()
+    try:
+        with _DropoutMasks() as recorder:
+            model(tokens)
+        with _DropoutMasks() as again:
+            model(tokens)
+    finally:
+        get_model_parallel_rng_tracker().reset()
+    kinds = [kind for kind, _ in recorder.masks]
+    assert kinds == ["dropout"] + ["attention", "dropout", "dropout"] * config.num_layers, kinds
+    names = ["embedding"] + [f"layer {i} {k}" for i in range(config.num_layers)
+                             for k in ("attention", "hidden after attention", "hidden after MLP")]
+    mine = [m.cpu() for _, m in recorder.masks]
+    for name, a, (_, b) in zip(names, mine, again.masks):  # the streams go on: a second forward draws anew
+        assert not torch.equal(a, b.cpu()), f"{name}: the second forward repeated the first one's mask"
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mine, _rng_state().cpu()))
+    theirs, their_default = everyone[mesh["tp"].mesh.tolist()[1 - tp.rank]]
+    for name, kind, a, b in zip(names, kinds, mine, theirs):
+        forked = kind == "attention" or sequence_parallel
+        agree = torch.equal(a, b)
+        what = "agree" if agree else "differ"
+        assert agree != forked, f"{name}: masks {what} across TP ranks (sequence parallel: {sequence_parallel})"
+        if kind == "dropout":
+            assert 0.3 < a.float().mean() < 0.7, f"{name}: kept {a.float().mean():.2f} of the values at p=0.5"
+    assert torch.equal(_rng_state().cpu(), their_default), "TP ranks' default generators drifted apart"
+    if sequence_parallel:  # every dropout forked: the default stream did not move
+        assert torch.equal(_rng_state(), default_before), "a sequence-parallel forward drew from the default generator"
+    for rank in mesh["dp"].mesh.tolist():  # this TP rank in every data-parallel replica: the same masks
+        for name, a, b in zip(names, mine, everyone[rank][0]):
+            assert torch.equal(a, b), f"{name}: masks differ between data-parallel ranks {dist.get_rank()} and {rank}"

@@ -60,3 +60,12 @@ def test_a_strict_mismatch_is_worded_for_the_command_line():
         assert message.startswith("--load ckpt: checkpoint model state does not match: ") and expected in message
         assert "model.embedding.weight: checkpoint (256, 32), model (128, 32)" in message
         assert "Pass the model arguments the checkpoint was saved with" in message
+
+
+def test_a_strict_mismatch_is_a_usage_error_and_still_the_librarys():
+    """pretrain_gpt.py prints a UsageError once without a traceback; code catching the library's type still works."""
+    from megatron.training.checkpointing import LoadMismatchError
+    from megatron.training.errors import UsageError
+    from megatron_fsdp.checkpoint.state_dicts import CheckpointMismatchError
+
+    assert issubclass(LoadMismatchError, UsageError) and issubclass(LoadMismatchError, CheckpointMismatchError)

@@ -178,6 +178,20 @@ def test_timeout_flag_reaches_the_process_group(monkeypatch):
     assert seen["t"] == datetime.timedelta(minutes=3)
 
 
+def test_a_plain_single_process_run_binds_no_port(monkeypatch):
+    """``python pretrain_gpt.py`` without torchrun: an in-memory store, so two such runs never clash on a port."""
+    from megatron.training import initialize
+
+    seen = {}
+    monkeypatch.setattr(initialize.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(initialize.dist, "init_process_group", lambda backend, **kwargs: seen.update(kwargs))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    initialize.initialize_distributed(parse_args(["--mock-data", "--distributed-backend", "gloo"]))
+    assert isinstance(seen["store"], initialize.dist.HashStore) and (seen["rank"], seen["world_size"]) == (0, 1)
+    assert "MASTER_PORT" not in os.environ
+
+
 def test_tensorboard_warning_printed_where_the_writer_would_be(monkeypatch, capsys):
     from megatron.training.training import _tensorboard_writer
 

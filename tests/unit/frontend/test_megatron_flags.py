@@ -94,7 +94,8 @@ def _validated(argv: list[str], world: int = 2):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--vocab-file", "v.json"], "--vocab-file is not supported by this front-end"),
+    (["--tokenizer-type", "ByteTokenizer", "--vocab-file", "v.json"],
+     "--vocab-file is read only by --tokenizer-type GPT2BPETokenizer, not by --tokenizer-type ByteTokenizer"),
     (["--fp8-format", "e4m3"], "--fp8-format is not supported by this front-end: FP8 needs TransformerEngine"),
     (["--fp8-param-gather"], "--fp8-param-gather is not supported"),
     (["--async-save"], "--async-save is not supported by this front-end: checkpoints are written synchronously"),

@@ -1,0 +1,87 @@
+"""Tensors handed to a collective stay referenced from Python until the backend has let go of them.
+
+Why (issue 25, item 1: "terminate called without an active exception", SIGABRT after a
+program's last line): a gloo worker thread keeps its own reference to each work, and so to
+the work's tensors, until just *after* it marked the work complete, i.e. possibly after
+``wait()`` returned in the main thread. If the main thread has meanwhile dropped the tensor's
+Python object (a temporary such as ``buf.narrow(...)``, or a caller's tensor that went out of
+scope), torch keeps that object alive inside the tensor, and the worker, now holding the last
+reference, must take the GIL to release it. While the main thread finalizes the interpreter a
+thread asking for the GIL is ended with ``pthread_exit``, whose unwinding through gloo's
+``noexcept`` frames is ``std::terminate``. Seen in a core file (``ProcessGroupGloo::runLoop ->
+~AsyncAllreduceWork -> decref_pyobject -> take_gil -> pthread_exit``) and reproduced with
+plain torch: two async broadcasts of temporary views, waited for, then
+``destroy_process_group()`` and exit, abort in about 1 run in 3 on a busy 2-core machine; the
+same broadcasts of a tensor kept alive never do.
+
+So every tensor the engine passes to ``torch.distributed`` is a fresh alias (``detach()``: same
+storage, no autograd, holds no reference to the original tensor object) that this module
+references from the moment it was issued until its use count says no backend thread holds it
+any more. Dropping it then
+happens on the main thread, with the GIL. Aliases are returned at every later collective
+issued here and every ``return_lent`` (cheap: a use-count read per alias; there are a handful per collective), and at
+interpreter exit an ``atexit`` handler, which runs while other threads may still take the
+GIL, waits until every backend thread has let go (at most ``EXIT_WAIT_S``: a work never
+waited for, as on an error path, holds its aliases for good, and a hung backend must not hang
+the exit). An alias shares its tensor's storage, so memory freed by resizing a storage to 0 is
+freed at once; a storage otherwise freed by dropping its last tensor outlives it until the next
+collective is issued or waited for.
+
+Collectives torch issues inside its own helpers (``all_gather_object``, DCP's planning rounds)
+are outside this module's reach.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+_lent: list[torch.Tensor] = []
+R = TypeVar("R")
+
+# The longest the exit handler waits for lent tensors to be released: a backend thread lets go of a
+# work microseconds after completing it, so only a work never waited for (or a hung one) lasts this long.
+EXIT_WAIT_S = 2.0
+
+
+def on_aliases(collective: Callable[..., R], *tensors: torch.Tensor, **kwargs: Any) -> R:
+    """``collective(*aliases of tensors, **kwargs)``; the aliases stay referenced here until released.
+
+    An alias joins the list only once the collective was issued, so pruning (which drops every
+    alias nothing else references) never drops one between its creation and its issue.
+    """
+    aliases = [t.detach() for t in tensors]
+    result = collective(*aliases, **kwargs)
+    return_lent()
+    _lent.extend(aliases)
+    return result
+
+
+def _held_elsewhere(alias: torch.Tensor) -> bool:
+    # Our Python object accounts for one reference; any other is a work or backend thread's.
+    return alias._use_count() > 1
+
+
+def return_lent() -> None:
+    """Drop the aliases that no work or backend thread references any more."""
+    if _lent:
+        _lent[:] = [t for t in _lent if _held_elsewhere(t)]
+
+
+def lent_aliases() -> list[torch.Tensor]:
+    """The aliases some work or backend thread still references (none once every issued work was released)."""
+    return_lent()
+    return list(_lent)
+
+
+def _wait_for_release_at_exit() -> None:
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while lent_aliases() and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+atexit.register(_wait_for_release_at_exit)
