@@ -375,7 +375,7 @@ def _validate_fsdp(args: argparse.Namespace) -> None:
                          ("--init-model-with-meta-device", args.init_model_with_meta_device),
                          ("--fsdp-double-buffer", args.fsdp_double_buffer),
                          ("--grad-reduce-in-bf16 (the DDP baseline reduces its fp32 gradients in fp32)",
-                          args.grad_reduce_in_bf16 and args.bf16),
+                          args.grad_reduce_in_bf16 and args.bf16 and not args.use_torch_fsdp2),
                          ("--ckpt-format fsdp_dtensor", args.ckpt_format == "fsdp_dtensor"),
                          ("--num-distributed-optimizer-instances > 1", instances > 1)):
             if on:

@@ -1,4 +1,4 @@
-"""Data-parallel backends: DDP (the baseline) and megatron_fsdp behind one interface.
+"""Data-parallel backends: DDP (the baseline), megatron_fsdp and PyTorch FSDP2 behind one interface.
 
 The training loop asks a backend for what differs between the two (how micro-batches
 accumulate, autocast, how summed per-token losses are scaled, the gradient buffers,
@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import argparse
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
 import torch
@@ -29,6 +29,7 @@ from megatron_fsdp.parallel.expert_dispatch import ExpertParallel
 from .initialize import print_rank_0
 from .model_setup import ddp_config_from_args
 from .parallel_state import ParallelLayout
+from .torch_fsdp2 import wrap_with_torch_fsdp2
 
 
 class DataParallelBackend(abc.ABC):
@@ -158,6 +159,37 @@ class FSDPBackend(DataParallelBackend):
         return fully_shard_optimizer(optimizer)
 
 
+class TorchFSDP2Backend(DataParallelBackend):
+    """A model wrapped by ``fully_shard``: DTensor (``Shard(0)``) parameters and gradients over the DP group."""
+
+    def accumulation(self, is_first: bool, is_last: bool) -> AbstractContextManager:
+        return _gradient_sync(self.model, is_last)
+
+    def summed_loss_factor(self) -> float:
+        return float(self.layout.grad_group_size)  # FSDP2 averages over the ranks it reduces over: undo it
+
+    def zero_grad(self) -> None:
+        pass  # FSDP2 keeps gradients only in .grad (the optimizer's zero_grad clears them)
+
+    def finish_grad_sync(self) -> None:
+        pass  # FSDP2's root post-backward callback waits for its reduce-scatters
+
+    def scale_gradients(self, factor: float) -> None:
+        for param in self.model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(factor)  # a DTensor: each rank scales its shard
+
+
+@contextlib.contextmanager
+def _gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Reduce-scatter in this micro-batch's backward only if ``sync`` (the last micro-batch)."""
+    model.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 def clip_grad_norm_with_experts(params: list[torch.Tensor], max_norm: float, ep: ExpertParallel) -> float:
     """Clip by the global norm where expert parameters (``allreduce = False``) differ across EP ranks.
 
@@ -197,13 +229,22 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 def build_backend(
     args: argparse.Namespace, model_provider: Callable[..., nn.Module], device: torch.device, layout: ParallelLayout
 ) -> DataParallelBackend:
-    """Build with ``model_provider`` (on the meta device if asked), then wrap in FSDP or DDP over ``layout``."""
+    """Build with ``model_provider`` (on the meta device if asked), then wrap in our FSDP, FSDP2 or DDP over
+    ``layout``."""
     meta = args.use_megatron_fsdp and args.init_model_with_meta_device
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = model_provider(pre_process=True, post_process=True)
     n_params = sum(p.numel() for p in model.parameters())
     # Megatron's line: this (TP rank 0) slice; the start-up summary gives the whole model's count.
     print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): {n_params}")
+    if args.use_torch_fsdp2:
+        # fp32 sharded (main) parameters, as Megatron's optimizer keeps fp32 main copies of its bf16 model: with
+        # --bf16 megatron-core builds its weights in bf16, and FSDP2's policy computes in bf16 again
+        model.to(device=device, dtype=torch.float32)
+        wrapped = wrap_with_torch_fsdp2(model, device, layout, bf16=args.bf16,
+                                        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+                                        untied=args.untie_embeddings_and_output_weights)
+        return TorchFSDP2Backend(wrapped, device, layout)
     if not args.use_megatron_fsdp:
         model.to(device)
         wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,

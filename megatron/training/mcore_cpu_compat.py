@@ -11,7 +11,7 @@ megatron-core version fails loudly instead of being patched blindly.
 How each CUDA call is redirected:
 
 - ``torch.cuda.current_device()`` as an allocation device (global memory buffer,
-  sequence-parallel gathers, DDP grad buffers, RoPE, the MoE router): the module's ``torch`` name is
+  sequence-parallel gathers, DDP grad buffers, RoPE and MLA's yarn RoPE, the MoE router): the module's ``torch`` name is
   bound to ``_CPUTorch``, which is torch except that ``torch.cuda.current_device()``
   answers ``"cpu"`` (torch itself is not touched);
 - the causal masks allocated on ``device="cuda"``: CPU versions of the two functions;
@@ -19,6 +19,7 @@ How each CUDA call is redirected:
   ``stream``): one CPU stand-in stream whose waits are no-ops and whose events have completed
   (CPU work is synchronous), through the same ``torch`` binding;
 - ``moe_utils.te_general_gemm``, bound only when TransformerEngine imports: ``None``;
+- ``multi_latent_attention.HAVE_TE``, True without TransformerEngine (a mock stands in): ``False``;
 - the RNG tracker (``tensor_parallel/random.py``): its states become CPU generator
   states, so ``model_parallel_cuda_manual_seed`` seeds one per TP rank (seed + 2718
   + tp_rank) and ``get_cuda_rng_tracker().fork()`` switches the CPU generator to it
@@ -201,6 +202,10 @@ PATCHES: tuple[Patch, ...] = (
     # RoPE moves its inverse frequencies to the current CUDA device at the first forward.
     _torch_patch("megatron.core.models.common.embeddings.rotary_pos_embedding",
                  "models/common/embeddings/rotary_pos_embedding.py", (162,)),
+    # Multi-latent attention's yarn RoPE moves its two CPU-built inverse-frequency tables to the current CUDA device
+    # at the first forward.
+    _torch_patch("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+                 "models/common/embeddings/yarn_rotary_pos_embedding.py", (122, 126)),
     # MoE: the router moves a CPU-resident gate to the current CUDA device, and allocates its aux-loss state there.
     _torch_patch("megatron.core.transformer.moe.router", "transformer/moe/router.py", (90, 92, 169, 178, 192, 198)),
     # MoE alltoall dispatcher: a torch.cuda.Stream built at construction, and the side-stream copy of the token
@@ -215,6 +220,12 @@ PATCHES: tuple[Patch, ...] = (
     # TE the router's gating linear raises NameError. None is what its own `if te_general_gemm is not None` expects.
     Patch("megatron.core.transformer.moe.moe_utils", "te_general_gemm", "transformer/moe/moe_utils.py", (1192,),
           "if te_general_gemm is not None", None, adds=True),
+    # multi_latent_attention.py sets HAVE_TE = True whenever megatron.core.extensions.transformer_engine imports,
+    # which it does without TransformerEngine (te is a MagicMock there, so TELinear is a MagicMock, not a class):
+    # MLASelfAttention.__init__'s isinstance(self.linear_proj, TELinear) then raises TypeError. Without CUDA there is
+    # no TransformerEngine, so False is the truth.
+    Patch("megatron.core.transformer.multi_latent_attention", "HAVE_TE", "transformer/multi_latent_attention.py",
+          (62,), "HAVE_TE = True", False),
     Patch("megatron.core.transformer.utils", "get_default_causal_mask", "transformer/utils.py", (35,),
           'device="cuda"', _cpu_default_causal_mask),
     Patch("megatron.core.transformer.utils", "get_sliding_window_causal_mask", "transformer/utils.py", (40,),

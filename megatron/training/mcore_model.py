@@ -9,7 +9,8 @@ asks for the project's own. On CPU, megatron-core runs through ``mcore_cpu_compa
 The flags become a ``TransformerConfig`` as in Megatron-LM's
 ``core_transformer_config_from_args`` (every config field that has a flag of the same
 name, then its explicit overrides), and the layer spec is Megatron's choice by
-``--transformer-impl`` (``local``: megatron-core's own modules; ``transformer_engine``).
+``--transformer-impl`` (``local``: megatron-core's own modules, with ``mcore_mla.py``'s core
+attention for multi-latent attention; ``transformer_engine``).
 Flags this front-end does not define yet are read with Megatron's defaults.
 
 Imported by the front-end without megatron-core; megatron-core is imported lazily.
@@ -80,9 +81,6 @@ def mcore_blockers(args: argparse.Namespace) -> list[str]:
         elif not args.swiglu and _arg(args, "bias_gelu_fusion", True):
             blockers.append("--num-experts with GeLU experts: megatron-core fuses the bias-GeLU only without the "
                             "router's per-token probabilities (pass --no-bias-gelu-fusion: the same numbers, unfused)")
-    if _arg(args, "multi_latent_attention", False):
-        blockers.append("--multi-latent-attention: megatron-core's local layer spec has no core attention for "
-                        "MLA's head sizes on CPU")
     if args.init_model_with_meta_device:
         blockers.append("--init-model-with-meta-device: megatron-core's layers initialise their weights at "
                         "construction (no reset_parameters to run after sharding)")
@@ -180,6 +178,10 @@ def _layer_spec(args: argparse.Namespace, config):
                   multi_latent_attention=_arg(args, "multi_latent_attention", False))
     if config.transformer_impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**common)
+    if common.pop("multi_latent_attention"):  # the local spec's core attention lacks MLA's head sizes: ours
+        from .mcore_mla import mla_local_layer_spec
+
+        return mla_local_layer_spec(**common, normalization=args.normalization)
     return gpt_layer_specs.get_gpt_layer_local_spec(**common, normalization=args.normalization)
 
 

@@ -248,8 +248,11 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
     "--rotary-scaling-factor": ("mcore", "with --multi-latent-attention; " + _MCORE),
     "--mscale": ("mcore", "with --multi-latent-attention; " + _MCORE),
     "--mscale-all-dim": ("mcore", "with --multi-latent-attention; " + _MCORE),
-    "--use-torch-fsdp2": ("stops", "PyTorch FSDP2 as a backend of this front-end is not built yet; use "
-                          "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params (the same ZeRO-3)"),
+    "--use-torch-fsdp2": ("effect", "PyTorch FSDP2 (torch.distributed.fsdp.fully_shard) as the data-parallel "
+                          "backend, in place of DDP or --use-megatron-fsdp: transformer layers (and megatron-core's "
+                          "untied embedding) are units, fp32 sharded parameters, bf16 compute with --bf16; "
+                          "--ckpt-format torch_dist or torch_dcp; with TP, SP and CP; stops with --use-megatron-fsdp, "
+                          "--use-distributed-optimizer and --expert-model-parallel-size > 1 (torch_fsdp2.py)"),
     "--megatron-fsdp-main-params-dtype": ("effect", "fp32: fp32 main weights (preserve_fp32_weights); auto: the "
                                           "model's dtype; bf16 needs --bf16; fp16 stops"),
     "--megatron-fsdp-main-grads-dtype": ("effect", "fp32: gradients accumulated and reduced in fp32; bf16 (with "
@@ -409,15 +412,16 @@ def _check_stops(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
         ("--main-params-dtype", args.main_params_dtype != "fp32"),
         ("--overlap-moe-expert-parallel-comm", args.overlap_moe_expert_parallel_comm),
         ("--delay-wgrad-compute", args.delay_wgrad_compute),
-        ("--use-torch-fsdp2", args.use_torch_fsdp2),
         ("--keep-fp8-transpose-cache", args.keep_fp8_transpose_cache),
         ("--async-save", args.async_save),
     ):
         if on:
             fail(f"{flag} is not supported by this front-end: {FLAG_STATUS[flag][1]}")
-    if args.ckpt_format == "torch_dcp":
-        fail("--ckpt-format torch_dcp is Megatron-LM's format for --use-torch-fsdp2, which this front-end does not "
-             "build; use --ckpt-format fsdp_dtensor with --use-megatron-fsdp")
+    if args.ckpt_format == "torch_dcp" and not args.use_torch_fsdp2:
+        fail("--ckpt-format torch_dcp is Megatron-LM's format for --use-torch-fsdp2; pass --use-torch-fsdp2, or "
+             "--ckpt-format fsdp_dtensor with --use-megatron-fsdp (torch_dist with DDP)")
+    if args.use_torch_fsdp2:
+        _check_torch_fsdp2(args, fail)
     if args.lr_warmup_fraction is not None:
         if args.lr_warmup_iters != 0:
             fail("can only specify one of --lr-warmup-fraction and --lr-warmup-iters")
@@ -425,6 +429,21 @@ def _check_stops(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
             fail(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
     if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
         fail("--lr-decay-style WSD needs --lr-wsd-decay-iters (the annealing iterations)")
+
+
+def _check_torch_fsdp2(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
+    """Megatron-LM's conditions on --use-torch-fsdp2 (arguments.py), and what this front-end does not build with it."""
+    for what, on in (
+        ("--use-megatron-fsdp (two data-parallel backends: pass one of them)", args.use_megatron_fsdp),
+        ("--use-distributed-optimizer (Megatron-LM refuses it too: FSDP2 shards the optimizer state itself)",
+         args.use_distributed_optimizer),
+        ("--expert-model-parallel-size > 1 (Megatron-LM refuses it too)", args.expert_model_parallel_size > 1),
+    ):
+        if on:
+            fail(f"--use-torch-fsdp2 cannot be combined with {what}")
+    if args.ckpt_format not in ("torch_dist", "torch_dcp"):
+        fail(f"--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp (as in Megatron-LM), got "
+             f"--ckpt-format {args.ckpt_format}; both write the sharded DCP checkpoint of docs/megatron.md")
 
 
 def _resolve_fsdp_dtypes(args: argparse.Namespace, fail: Callable[[str], None]) -> None:

@@ -14,6 +14,7 @@ import argparse
 import os
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from megatron_fsdp.checkpoint import iteration_dir
 from megatron_fsdp.core.module import FSDPModule
@@ -55,7 +56,7 @@ def whole_model_parameters(module: nn.Module, tp_size: int, ep_size: int) -> int
 def _units(module: nn.Module, expert_parallel: bool) -> list[tuple[UnitShape, bool]]:
     """The model's FSDP units as the planner describes them (each parameter in its innermost unit),
     with whether the unit holds experts sharded over the expert mesh (only with expert parallelism)."""
-    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    units = [m for m in module.modules() if isinstance(m, (FSDPModule, TorchFSDPModule))]
     if module not in units:
         units.insert(0, module)
     names = {id(p): n for n, p in module.named_parameters()}
@@ -74,6 +75,9 @@ def _units(module: nn.Module, expert_parallel: bool) -> list[tuple[UnitShape, bo
 def memory_plan(args: argparse.Namespace, module: nn.Module, layout: ParallelLayout) -> list[RankPlan]:
     """``megatron_fsdp.plan``'s layout of this rank's weights, gradients and Adam state (one plan per mesh:
     the dense units over the data-parallel ranks, the expert units over the expert data-parallel ones)."""
+    if args.use_torch_fsdp2:  # ZeRO-3: fp32 shards of weights, gradients and Adam state; bf16 only when gathered
+        return [plan_rank([u for u, _ in _units(module, False)], layout.grad_group_size, "optim_grads_params",
+                          precision=Precision(2 if args.bf16 else 4, 4, 4))]
     if not args.use_megatron_fsdp:  # DDP: full weights, gradients and optimizer state on every rank
         units = [UnitShape("model", tuple((n, tuple(p.shape)) for n, p in module.named_parameters()), 1, True)]
         return [plan_rank(units, layout.grad_group_size, "no_shard")]
@@ -110,15 +114,19 @@ def startup_summary(args: argparse.Namespace, layout: ParallelLayout, module: nn
                    f"{_ranks(layout.grad_group_size // instances)}")
         if instances > 1:
             backend += f" x {instances} replicas (HSDP, outer strategy {args.outer_dp_sharding_strategy})"
+    elif args.use_torch_fsdp2:
+        backend = f"PyTorch FSDP2 (fully_shard, ZeRO-3) over {_ranks(layout.grad_group_size)}"
     else:
         backend = f"PyTorch DDP (no sharding) over {_ranks(layout.grad_group_size)}"
     plans = memory_plan(args, module, layout)
-    resident = sum(p.resident for p in plans)
+    # FSDP2 casts to bf16 as it gathers: it keeps no bf16 shards between steps
+    fsdp2_casts = sum(p.compute_shards for p in plans) if args.use_torch_fsdp2 else 0
+    resident = sum(p.resident for p in plans) - fsdp2_casts
     gathered = sum(p.gathered_weights for p in plans)
     parts = " + ".join(f"{name} {_size(sum(getattr(p, attr) for p in plans))}"
                        for name, attr in (("weights", "main_params"), ("gradients", "grads"),
                                           ("Adam state", "optimizer_state")))
-    compute = sum(p.compute_shards for p in plans)
+    compute = sum(p.compute_shards for p in plans) - fsdp2_casts
     if compute:
         parts += f" + compute-dtype shards {_size(compute)}"
     start = (f"resuming at iteration {start_iteration}, training to {args.train_iters}" if start_iteration
@@ -135,13 +143,19 @@ def startup_summary(args: argparse.Namespace, layout: ParallelLayout, module: nn
         f"{layout.dp_size} x {args.num_microbatches} micro-batches per step; sequence length {args.seq_length}",
         f"parameters: {whole_model_parameters(module, tp, ep):,} (the whole model"
         + (", over every tensor-/expert-parallel slice)" if tp * ep > 1 else ")")
-        + f"; weights {'bf16 (fp32 main weights)' if args.bf16 else 'fp32'}",
+        + f"; weights {_weights(args)}",
         f"memory estimate per rank (megatron_fsdp.plan; activations not included): {_size(resident)} "
         f"between steps ({parts}); gathered weights in forward/backward {_size(gathered)}",
         f"{start}; checkpoints: " + (f"--save {args.save}" if args.save else "none (no --save)"),
         "-" * (2 * len(rule) + 8),
     ]
     return "\n".join(lines)
+
+
+def _weights(args: argparse.Namespace) -> str:
+    if not args.bf16:
+        return "fp32"
+    return "fp32, computed in bf16 (FSDP2's mixed precision)" if args.use_torch_fsdp2 else "bf16 (fp32 main weights)"
 
 
 def end_of_run_summary(args: argparse.Namespace, *, start_iteration: int, iteration: int, samples: int,

@@ -78,6 +78,16 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
          baseline="ddp"),
     _cfg("bf16", 2, " ".join([*FSDP, "optim_grads_params", "--bf16"]), rtol=1e-2, baseline="ddp_bf16"),
     _cfg("ddp_bf16", 2, "--bf16", rtol=1e-2),
+    # PyTorch FSDP2 (--use-torch-fsdp2), the third backend: against DDP as our engine is (optim_grads_params above),
+    # and saved at 8 / resumed to 16 bitwise (--ckpt-format torch_dist, its default).
+    _cfg("fsdp2", 2, "--use-torch-fsdp2", baseline="ddp"),
+    _cfg("fsdp2_bf16", 2, "--use-torch-fsdp2 --bf16", rtol=1e-2, baseline="ddp_bf16"),
+    _cfg("save_fsdp2", 2, "--use-torch-fsdp2 --save {ckpt}-fsdp2 --save-interval 4 --exit-interval 8",
+         baseline="fsdp2", last=8, baseline_rtol=0.0),
+    _cfg("resume_fsdp2", 2, "--use-torch-fsdp2 --load {ckpt}-fsdp2", baseline="fsdp2", first=9, baseline_rtol=0.0),
+    # The FSDP2 checkpoint resumed by our engine (the same FQN-keyed DCP layout): the FSDP2 curve continues.
+    _cfg("resume_zero3_from_fsdp2", 2, " ".join([*FSDP, "optim_grads_params", "--load {ckpt}-fsdp2"]),
+         baseline="fsdp2", first=9),
     # Stop at 8 (the schedule still spans 16 iterations), resume: the uninterrupted run's losses, exactly.
     _cfg("save_zero3", 2, " ".join([*FSDP, "optim_grads_params", "--save {ckpt} --save-interval 4 --exit-interval 8"]),
          baseline="optim_grads_params", last=8, baseline_rtol=0.0),
@@ -121,6 +131,10 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
                                                       "--sequence-parallel"]), baseline="optim_grads_params"),
     _cfg("tp2_sp_optim_4", 4, " ".join([*FSDP, "optim", "--tensor-model-parallel-size 2", "--sequence-parallel",
                                          "--swiglu", "--position-embedding-type rope"])),
+    # PyTorch FSDP2 with TP2 x SP (sharded over DP2) and with CP2 x DP2 (sharded over both): the same curves.
+    _cfg("tp2_sp_fsdp2_4", 4, "--use-torch-fsdp2 --tensor-model-parallel-size 2 --sequence-parallel",
+         baseline="tp2_sp_optim_grads_params_4"),
+    _cfg("cp2_fsdp2_4", 4, "--use-torch-fsdp2 --context-parallel-size 2", baseline="cp2_ddp_4"),
     # Context parallelism (CP2 x DP2; TP2 x CP2 x DP1 with 4 micro-batches per step): the same global batches.
     _cfg("cp2_ddp_4", 4, "--context-parallel-size 2", baseline="ddp"),
     _cfg("cp2_optim_grads_params_4", 4, " ".join([*FSDP, "optim_grads_params", "--context-parallel-size 2"]),

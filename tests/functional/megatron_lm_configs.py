@@ -8,9 +8,9 @@ the rules of ``SCALED`` and ``REPLACED`` (docs/megatron.md lists them). Flags th
 model implements (``MCORE_ONLY``: the DeepSeek proxy's multi-latent attention, shared experts and router
 options) are dropped from runs of this front-end's own GPT; with them our GPT stops at start-up naming
 them (``tests/unit/frontend/test_megatron_flags.py``). The MoE configurations run megatron-core's
-``GPTModel`` (``cpu_scaled(..., mcore=True)``): its MoE layers take the shared-expert and router flags;
-only multi-latent attention (``MLA``: megatron-core's local layer spec has no CPU core attention for its
-head sizes) is dropped.
+``GPTModel`` (``cpu_scaled(..., mcore=True)``): its MoE layers take the shared-expert and router flags,
+and the DeepSeek proxies' multi-latent attention runs through the front-end's CPU MLA spec
+(``megatron/training/mcore_mla.py``).
 """
 
 from __future__ import annotations
@@ -213,6 +213,9 @@ SCALED: dict[str, str] = {
     "--exit-interval": "16", "--num-experts": "4", "--moe-router-topk": "2", "--moe-ffn-hidden-size": "32",
     "--moe-layer-freq": "([0]*1+[1]*1)", "--make-vocab-size-divisible-by": "16", "--split": "969,30,1",
     "--moe-shared-expert-intermediate-size": "32",
+    # multi-latent attention's ranks and head sizes (the query/key head 8 + 4, the value head 8)
+    "--q-lora-rank": "16", "--kv-lora-rank": "8", "--qk-head-dim": "8", "--qk-pos-emb-head-dim": "4",
+    "--v-head-dim": "8",
 }
 # GPU-only flags: flag -> its CPU replacement ("" drops it), and why.
 REPLACED: dict[str, tuple[str, str]] = {
@@ -229,9 +232,6 @@ REPLACED: dict[str, tuple[str, str]] = {
     "--use-persistent-ckpt-worker": ("", "serves --async-save"),
     "--overlap-moe-expert-parallel-comm": ("", "needs CUDA streams and pipeline scheduling"),
     "--delay-wgrad-compute": ("", "needs TransformerEngine"),
-    "--use-torch-fsdp2": ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
-                          "PyTorch FSDP2 is not a backend of this front-end yet: our ZeRO-3 in its place"),
-    "--ckpt-format": ("--ckpt-format fsdp_dtensor", "the format of --use-megatron-fsdp (torch_dist is DDP's)"),
     "--calculate-per-token-loss": ("", "with --num-experts on our own GPT only: its MoE has no per-token loss "
                                    "(megatron-core's model keeps the flag)"),
     "--tensor-model-parallel-size": ("--tensor-model-parallel-size 1", "with --num-experts only: megatron-core's "
@@ -246,9 +246,6 @@ MCORE_ONLY = (
     "--moe-router-num-groups", "--moe-router-topk-scaling-factor", "--moe-router-score-function",
     "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
 )
-# Dropped from megatron-core runs as well: multi-latent attention has no CPU layer spec yet.
-MLA = ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
-       "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim")
 _MOE_ONLY = ("--calculate-per-token-loss", "--tensor-model-parallel-size")
 
 
@@ -272,19 +269,19 @@ def cpu_scaled(name: str, ckpt: str, *, drop_mcore_only: bool = True, mcore: boo
     """The configuration scaled to CPU: ``ckpt`` holds its --save/--load, tensorboard and cache directories.
 
     ``mcore``: for megatron-core's model (``--model-provider mcore``), keeping what it implements
-    (only ``MLA`` dropped) and --calculate-per-token-loss.
+    (multi-latent attention, shared experts, router options) and --calculate-per-token-loss.
     """
     pieces = _pieces(MEGATRON_LM[name])
     moe = any(p[0] == "--num-experts" for p in pieces)
     argv: list[str] = ["--model-provider", "mcore"] if mcore else []
     for flag, *values in pieces:
-        if flag in (MLA if mcore else MCORE_ONLY if drop_mcore_only else ()):
+        if flag in (() if mcore else MCORE_ONLY if drop_mcore_only else ()):
             continue
         if mcore and flag == "--calculate-per-token-loss":
             argv.append(flag)
         elif flag in _MOE_ONLY and not moe:
             argv += [flag, *values]
-        elif flag in REPLACED and not (flag == "--ckpt-format" and values == ["fsdp_dtensor"]):
+        elif flag in REPLACED:
             argv += REPLACED[flag][0].split()
         elif flag in SCALED:
             argv += [flag, SCALED[flag]]

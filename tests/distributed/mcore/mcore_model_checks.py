@@ -573,3 +573,158 @@ def pretrain_gpt_megatron_core_moe_equals_megatron_core_ddp(dispatcher: str) -> 
     finally:
         parallel_state.destroy_model_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
+
+
+# Multi-latent attention at the sizes of a small model: queries through a LoRA (q_lora_rank), query/key head 6 + 2
+# (nope + rope), value head 5 (the core attention's query/key and value head sizes all differ from kv_channels 4).
+MLA_FLAGS = ("--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "8", "--qk-head-dim", "6",
+             "--qk-pos-emb-head-dim", "2", "--v-head-dim", "5", "--rotary-scaling-factor", "1.0", "--mscale", "1.0",
+             "--mscale-all-dim", "1.0", "--qk-layernorm", "--normalization", "RMSNorm", "--position-embedding-type",
+             "rope")
+
+
+@check(SUITE, world_sizes=(2,))
+def multi_latent_attention_equals_megatron_core_ddp() -> None:
+    """megatron-core's MLA GPTModel (the front-end's CPU layer spec) under our engine, and under FSDP2, == megatron-core
+    DDP == torch DDP, bitwise at 2 ranks; its core attention == softmax(q k^T * scale) v."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from megatron.training.mcore_mla import MLADotProductAttention
+
+    args = model_args(*MLA_FLAGS)
+    model = build(args)
+    attention = model.decoder.layers[0].self_attention
+    assert isinstance(attention, MLASelfAttention) and isinstance(attention.core_attention, MLADotProductAttention)
+    # The core attention alone: [s, b, heads, d] inputs with query/key head 8 and value head 5, causal.
+    core = MLADotProductAttention(model.config, 1, AttnMaskType.causal, "self", attention_dropout=0.0,
+                                  softmax_scale=0.3, k_channels=8, v_channels=5)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(7, 2, 4, d, generator=g) for d in (8, 8, 5))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True, scale=0.3)
+    got = core(q, k, v, None)
+    assert got.shape == (7, 2, 20), got.shape
+    torch.testing.assert_close(got, want.permute(2, 0, 1, 3).reshape(7, 2, 20), rtol=1e-5, atol=1e-6)
+    reference = train_mcore_ddp(args)
+    assert reference[1][-1] < reference[1][0], f"the loss should fall: {reference[1]}"
+    assert_same("MLA: torch DDP vs megatron-core DDP", train_torch_ddp(args), reference)
+    for strategy in ("no_shard", "optim_grads_params"):
+        assert_same(f"MLA: {strategy}", train_ours(args, strategy), reference)
+    assert_same("MLA: FSDP2", train_torch_fsdp2(args), reference)
+
+
+def train_torch_fsdp2(args) -> tuple[dict, list[float]]:
+    """megatron-core's GPTModel wrapped as --use-torch-fsdp2 wraps it (megatron/training/torch_fsdp2.py)."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    from megatron.training.torch_fsdp2 import wrap_with_torch_fsdp2
+
+    module = build(args)  # lays out megatron-core's parallel_state
+    layout = type("Layout", (), {"grad_group": parallel_state.get_data_parallel_group()})()
+    model = wrap_with_torch_fsdp2(module, torch.device("cpu"), layout, bf16=False, grad_reduce_in_bf16=False,
+                                  untied=args.untie_embeddings_and_output_weights)
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    assert len(layers) == 2 and all(isinstance(m, TorchFSDPModule) for m in layers), "megatron-core's layers are units"
+    assert all(hasattr(p, "tensor_model_parallel") for p in model.decoder.layers[0].mlp.linear_fc1.parameters()), \
+        "megatron-core's parameter attributes survive fully_shard"
+    opt, losses = optimizer(model.parameters()), []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = loss_of(model, step)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}, losses
+
+
+@check(SUITE, world_sizes=(2,))
+def torch_fsdp2_equals_megatron_core_ddp() -> None:
+    """--use-torch-fsdp2's wrapping of megatron-core's GPTModel (tied and untied embeddings) == megatron-core DDP,
+    bitwise at 2 ranks; pretrain_gpt.py --use-torch-fsdp2 builds megatron-core's model and trains as DDP does."""
+    for flags in ((), ("--untie-embeddings-and-output-weights",)):
+        args = model_args(*flags)
+        assert_same(f"FSDP2 {flags}", train_torch_fsdp2(args), train_mcore_ddp(args))
+    common = ["--mock-data", "--vocab-size", "61", "--num-layers", "2", "--hidden-size", "16",
+              "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+              "--lr", "1e-2", "--attention-dropout", "0", "--hidden-dropout", "0", "--train-iters", "4"]
+    ddp, _ = _pretrain(common)
+    fsdp2, log = _pretrain([*common, "--use-torch-fsdp2"])
+    assert "building megatron-core GPTModel" in log or dist.get_rank() != 0, log[:2000]
+    for it, loss in ddp.losses.items():  # 2 micro-batches per step: accumulation without gradient sync first
+        torch.testing.assert_close(torch.tensor(fsdp2.losses[it]), torch.tensor(loss), rtol=1e-6, atol=0,
+                                   msg=lambda m, i=it: f"FSDP2 vs DDP iteration {i}: {m}")
+    # --bf16: megatron-core builds bf16 weights; FSDP2 shards fp32 copies and computes in bf16, as our engine does
+    # (fp32 main weights, bf16 compute): the bf16 tolerance 1e-2 (measured 7e-6).
+    ours_bf16, _ = _pretrain([*common, "--bf16", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                              "optim_grads_params"])
+    fsdp2_bf16, _ = _pretrain([*common, "--bf16", "--use-torch-fsdp2"])
+    for it, loss in ours_bf16.losses.items():
+        torch.testing.assert_close(torch.tensor(fsdp2_bf16.losses[it]), torch.tensor(loss), rtol=1e-2, atol=0,
+                                   msg=lambda m, i=it: f"FSDP2 bf16 vs ours bf16 iteration {i}: {m}")
+    # megatron-core's TP2 layers under FSDP2 (TP2 x DP1) follow the TP1 x DP2 DDP run within 1e-5 (TP-split matmuls
+    # sum in another order; the vocabulary is padded to 128 rows at TP1 and TP2 alike).
+    tp_common = ["--mock-data", "--vocab-size", "120", "--make-vocab-size-divisible-by", "64", "--num-layers", "2",
+                 "--hidden-size", "16", "--num-attention-heads", "4", "--seq-length", "16", "--global-batch-size", "4",
+                 "--lr", "1e-2", "--attention-dropout", "0", "--hidden-dropout", "0", "--train-iters", "4",
+                 "--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm"]
+    tp1, _ = _pretrain(tp_common)
+    tp2, log = _pretrain([*tp_common, "--use-torch-fsdp2", "--tensor-model-parallel-size", "2"])
+    assert "building megatron-core GPTModel" in log or dist.get_rank() != 0, log[:2000]
+    for it in tp1.losses:
+        for what, got, want in (("loss", tp2.losses[it], tp1.losses[it]),
+                                ("grad norm", tp2.grad_norms[it], tp1.grad_norms[it])):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0,
+                                       msg=lambda m, w=what, i=it: f"FSDP2 TP2 vs DDP TP1 {w} at {i}: {m}")
+
+
+# The MoE part of the DeepSeek proxy (megatron-core's MoELayer through pretrain_gpt.py) is not wired on this branch.
+_MOE_FLAGS = ("--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size")
+
+
+def _without_moe(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    skipping = False
+    for token in argv:
+        if token.startswith("--"):
+            skipping = token.startswith("--moe-") or token in _MOE_FLAGS
+        if not skipping:
+            out.append(token)
+    return out
+
+
+@check(SUITE, world_sizes=(2,))
+def deepseek_proxy_builds_multi_latent_attention() -> None:
+    """Megatron-LM's DeepSeek-proxy command line, scaled to CPU with its megatron-core-only flags kept (its MoE
+    flags left out), builds megatron-core's GPTModel with multi-latent attention through pretrain_gpt.py, and trains."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    import pretrain_gpt
+    from megatron.training.training import pretrain
+    from tests.functional.megatron_lm_configs import cpu_scaled
+
+    root = tempfile.mkdtemp() if dist.get_rank() == 0 else None
+    holder = [root]
+    dist.broadcast_object_list(holder)
+    argv = _without_moe(cpu_scaled("deepseek_proxy_fsdp_ep2_fsdp2", os.path.join(holder[0], "ds"),
+                                   drop_mcore_only=False))
+    assert "--multi-latent-attention" in argv and "--q-lora-rank" in argv and "--num-experts" not in argv, argv
+    built = []
+
+    def provider(pre_process: bool = True, post_process: bool = True):
+        built.append(pretrain_gpt.model_provider(pre_process, post_process))
+        return built[-1]
+
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        run = pretrain(provider, pretrain_gpt.forward_step, argv)
+    model = built[0]
+    assert type(model).__module__ == "megatron.core.models.gpt.gpt_model", type(model)
+    attention = model.decoder.layers[0].self_attention
+    assert isinstance(attention, MLASelfAttention), type(attention)
+    config = model.config
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim,
+            config.v_head_dim, config.rope_type) == (16, 8, 8, 4, 8, "yarn"), config
+    assert attention.linear_q_up_proj.weight.shape[0] == 4 * (8 + 4), "query heads: qk_head_dim + qk_pos_emb_head_dim"
+    losses = [run.losses[i] for i in sorted(run.losses)]
+    assert len(losses) == 16 and losses[-1] < losses[0] - 0.3, losses
