@@ -246,7 +246,9 @@ def build_backend(
                                         untied=args.untie_embeddings_and_output_weights)
         return TorchFSDP2Backend(wrapped, device, layout)
     if not args.use_megatron_fsdp:
-        model.to(device)
+        # fp32 weights, bf16 compute under autocast: with --bf16 megatron-core builds its weights in bf16, whose
+        # matmuls against autocast's fp32 gradients fail in its backward (tensor_parallel/layers.py)
+        model.to(device=device, dtype=torch.float32)
         wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                       process_group=layout.grad_group)
         return DDPBackend(wrapped, device, layout, bf16=args.bf16)
