@@ -16,8 +16,6 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-import torch
-
 from megatron_fsdp.sharding.strategy import OUTER_STRATEGY_NAMES, STRATEGY_NAMES
 
 from .datasets.builder import parse_split
@@ -224,13 +222,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.world_size = world_size
     default_transformer_impl(args)
     args.model_provider, args.model_provider_reason = choose_model_provider(args, _fail)
-    if (args.model_provider == "mcore" and args.bf16 and not (args.use_megatron_fsdp or args.use_torch_fsdp2)
-            and args.distributed_backend != "nccl" and not torch.cuda.is_available()):
-        # DDP computes in bf16 under autocast; megatron-core's linear layers restore CUDA's autocast state in their
-        # backward (tensor_parallel/layers.py), so on CPU their backward matmuls mix bf16 and fp32 and fail
-        _fail("--bf16 with megatron-core's model under DDP needs CUDA (on CPU its layers' backward runs outside "
-              "autocast); use --use-megatron-fsdp (any --data-parallel-sharding-strategy, no_shard for DDP's "
-              "layout) or --use-torch-fsdp2, or --model-provider gpt")
     _validate_model_parallel(args, world_size)
     if args.use_custom_fsdp:
         args.use_megatron_fsdp = True

@@ -342,7 +342,8 @@ def model_choice_names_the_cause() -> None:
     assert auto.model_provider == "mcore" and "megatron-core 0.16.1 is installed" in auto.model_provider_reason
     for flags, cause in ((["--context-parallel-size", "2"], "--context-parallel-size > 1"),
                          (["--num-experts", "2"], "--num-experts"),
-                         (["--use-megatron-fsdp", "--init-model-with-meta-device"], "--init-model-with-meta-device")):
+                         (["--use-megatron-fsdp", "--init-model-with-meta-device"], "--init-model-with-meta-device"),
+                         (["--bf16"], "--bf16 under DDP on CPU")):
         fallback = args_for(*flags)
         assert fallback.model_provider == "gpt" and cause in fallback.model_provider_reason, vars(fallback)
         try:
@@ -354,6 +355,8 @@ def model_choice_names_the_cause() -> None:
     for flags in (["--num-experts", "2", "--no-bias-gelu-fusion"], ["--num-experts", "2", "--swiglu",
                                                                    "--disable-bias-linear"]):
         assert args_for(*flags).model_provider == "mcore", f"megatron-core's MoELayer runs {flags}"
+    for backend in (["--use-megatron-fsdp"], ["--use-torch-fsdp2"]):
+        assert args_for("--bf16", *backend).model_provider == "mcore", f"--bf16 with {backend} runs megatron-core"
     config = transformer_config_from_args(model_args("--swiglu", "--normalization", "RMSNorm", "--num-query-groups",
                                                      "2", "--untie-embeddings-and-output-weights"))
     assert config.gated_linear_unit and config.normalization == "RMSNorm" and config.use_cpu_initialization
