@@ -46,11 +46,15 @@ class MLADotProductAttention(DotProductAttention):
             self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
 
 
-def mla_local_layer_spec(**kwargs) -> ModuleSpec:
-    """megatron-core's local GPT layer spec with ``multi_latent_attention=True`` and this core attention."""
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(multi_latent_attention=True, **kwargs)
+def with_mla_core_attention(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` (a local MLA layer spec) with this core attention in place of ``DotProductAttention``."""
     spec.submodules.self_attention.submodules.core_attention = MLADotProductAttention
     return spec
 
 
-__all__ = ["MLADotProductAttention", "mla_local_layer_spec"]
+def mla_local_layer_spec(**kwargs) -> ModuleSpec:
+    """megatron-core's local GPT layer spec with ``multi_latent_attention=True`` and this core attention."""
+    return with_mla_core_attention(gpt_layer_specs.get_gpt_layer_local_spec(multi_latent_attention=True, **kwargs))
+
+
+__all__ = ["MLADotProductAttention", "mla_local_layer_spec", "with_mla_core_attention"]

@@ -175,9 +175,15 @@ def _layer_spec(args: argparse.Namespace, config):
     from megatron.core.models.gpt import gpt_layer_specs
 
     if args.num_experts:
-        return gpt_layer_specs.get_gpt_decoder_block_spec(
+        block = gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=config.transformer_impl == "transformer_engine",
             normalization=args.normalization)
+        if config.multi_latent_attention and config.transformer_impl == "local":  # as below, in every layer
+            from .mcore_mla import with_mla_core_attention
+
+            for layer_spec in block.layer_specs:
+                with_mla_core_attention(layer_spec)
+        return block
 
     common = dict(num_experts=args.num_experts, moe_grouped_gemm=config.moe_grouped_gemm,
                   qk_layernorm=_arg(args, "qk_layernorm", False),
