@@ -306,16 +306,22 @@ class ParamGroup(WeightPath, GradientPath):
                 raise RuntimeError("ParamGroup.use: the unsharded weights are allocated; reshard first")
             self.unsharded.pool = pool
 
+    def _layouts_custom_gathers_lack(self) -> list[tuple[bool, str]]:
+        """(applies, name) of the layouts neither the all-gather extension nor the float8 gather is built for."""
+        return [
+            (any(r.tp is not None for r in self.refs), "torch-native tensor parallelism"),
+            (self.offload is not None, "CPU offload"),
+            (self.post_forward is not None, "reshard_after_forward=<int>"),
+            (self.outer is not None, "HSDP outer_sharding_strategy='optim'"),
+        ]
+
     def _check_extension_supported(self) -> None:
         """Refuse what the all-gather extension is not built for, naming it (the gather would be wrong)."""
         kinds = {p.extension for p in self.params}
         name = self.params[0].extension.__name__
         unsupported = [
             (len(kinds) > 1, f"parameters of several classes {sorted(k.__name__ if k else 'Tensor' for k in kinds)}"),
-            (any(r.tp is not None for r in self.refs), "torch-native tensor parallelism"),
-            (self.offload is not None, "CPU offload"),
-            (self.post_forward is not None, "reshard_after_forward=<int>"),
-            (self.outer is not None, "HSDP outer_sharding_strategy='optim'"),
+            *self._layouts_custom_gathers_lack(),
         ]
         for refused, what in unsupported:
             if refused:
@@ -326,13 +332,7 @@ class ParamGroup(WeightPath, GradientPath):
 
     def _check_quantized_supported(self, dtype: torch.dtype) -> None:
         """Refuse what the float8 gather (``gather_dtype``) is not built for, naming it."""
-        unsupported = [
-            (any(r.tp is not None for r in self.refs), "torch-native tensor parallelism"),
-            (self.offload is not None, "CPU offload"),
-            (self.post_forward is not None, "reshard_after_forward=<int>"),
-            (self.outer is not None, "HSDP outer_sharding_strategy='optim'"),
-        ]
-        for refused, what in unsupported:
+        for refused, what in self._layouts_custom_gathers_lack():
             if refused:
                 raise NotImplementedError(
                     f"fully_shard: MixedPrecisionPolicy(gather_dtype={dtype}) is not supported with {what} "

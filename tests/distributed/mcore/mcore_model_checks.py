@@ -114,8 +114,8 @@ def assert_equal(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=lambda m: f"{what}: {m}")
 
 
-def train_torch_ddp(args) -> tuple[dict, list[float]]:
-    model = DDP(build(args), process_group=parallel_state.get_data_parallel_group())
+def train_plain(model: torch.nn.Module) -> list[float]:
+    """``STEPS`` plain steps of ``model`` (zero_grad, forward, backward, step): each step's loss."""
     opt, losses = optimizer(model.parameters()), []
     for step in range(STEPS):
         opt.zero_grad()
@@ -123,6 +123,12 @@ def train_torch_ddp(args) -> tuple[dict, list[float]]:
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    return losses
+
+
+def train_torch_ddp(args) -> tuple[dict, list[float]]:
+    model = DDP(build(args), process_group=parallel_state.get_data_parallel_group())
+    losses = train_plain(model)
     return {n: p.detach().clone() for n, p in model.module.named_parameters()}, losses
 
 
@@ -631,13 +637,7 @@ def train_torch_fsdp2(args) -> tuple[dict, list[float]]:
     assert len(layers) == 2 and all(isinstance(m, TorchFSDPModule) for m in layers), "megatron-core's layers are units"
     assert all(hasattr(p, "tensor_model_parallel") for p in model.decoder.layers[0].mlp.linear_fc1.parameters()), \
         "megatron-core's parameter attributes survive fully_shard"
-    opt, losses = optimizer(model.parameters()), []
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = loss_of(model, step)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_plain(model)
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}, losses
 
 
