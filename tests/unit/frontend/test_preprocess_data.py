@@ -87,7 +87,8 @@ def test_null_tokenizer_and_no_eod(tmp_path):
          "line 2.*integer ids"),
         ([{"text": "1 12"}], ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"], "outside"),
         ([{"text": "1"}], ["--tokenizer-type", "NullTokenizer"], "requires --vocab-size"),
-        ([{"text": "1"}], ["--tokenizer-type", "GPT2BPETokenizer"], "invalid choice"),
+        ([{"text": "1"}], ["--tokenizer-type", "SentencePieceTokenizer"], "invalid choice"),
+        ([{"text": "1"}], ["--tokenizer-type", "GPT2BPETokenizer"], "requires --vocab-file"),
         ([{"text": "1"}], ["--tokenizer-type", "ByteTokenizer", "--split-sentences"], "--split-sentences"),
     ],
 )
@@ -138,7 +139,7 @@ def test_huggingface_tokenizer_errors(tmp_path):
         build_tokenizer_from("HuggingFaceTokenizer")
     with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
         build_tokenizer_from("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "gpt2"))
-    with pytest.raises(ValueError, match="valid: NullTokenizer, ByteTokenizer, HuggingFaceTokenizer"):
+    with pytest.raises(ValueError, match="valid: NullTokenizer, ByteTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer"):
         build_tokenizer_from("SentencePieceTokenizer")
 
 
