@@ -8,7 +8,8 @@ the chunk it frees and a corrupted heap aborts at once (SIGABRT, exit 134) inste
 later and elsewhere. ``MALLOC_PERTURB_`` fills freed memory, so a read of freed
 memory gives wrong numbers (a failing check) instead of plausible ones.
 
-``round_trip_ours`` and ``round_trip_fsdp2`` are not suites but a program per rank
+``round_trip_ours``, ``round_trip_fsdp2`` and ``round_trip_all`` (both, then our collectives on
+temporaries) are not suites but a program per rank
 (``tests/distributed/checkpoint/round_trip_program.py``): DCP checkpoints moved between
 our models, or between ours and FSDP2's, run to the interpreter's exit without the
 harness's clean-up; a rank that exits non-zero (an abort at teardown included) is a crash.
@@ -173,10 +174,11 @@ def checks_module(suite: str) -> str:
     return os.path.relpath(found[0], ROOT)[: -len(".py")].replace(os.sep, ".")
 
 
-ROUND_TRIPS = {"round_trip_ours": "ours", "round_trip_fsdp2": "fsdp2"}
+ROUND_TRIPS = {"round_trip_ours": ("ours",), "round_trip_fsdp2": ("fsdp2",),
+               "round_trip_all": ("ours", "fsdp2", "collectives")}
 
 
-def round_trip_child(mode: str, world_size: int) -> None:
+def round_trip_child(scenarios: tuple[str, ...], world_size: int) -> None:
     """Inside one run: ``round_trip_program`` (a DCP checkpoint moved between our models, or ours
     and FSDP2's) on fresh ranks to their normal interpreter exit, without the harness's
     ``gc.collect()`` before ``destroy_process_group()``: any rank's non-zero exit, an abort at
@@ -189,7 +191,7 @@ def round_trip_child(mode: str, world_size: int) -> None:
     death, signal_name = None, None
     with tempfile.TemporaryDirectory() as directory:
         try:
-            mp.start_processes(round_trip_program.run, args=(free_port(), mode, directory), nprocs=world_size,
+            mp.start_processes(round_trip_program.run, args=(free_port(), scenarios, directory), nprocs=world_size,
                                start_method="spawn", join=True)
         except mp.ProcessExitedException as error:
             death = str(error)
@@ -241,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=50, help="suite runs per pool setting (default 50)")
     parser.add_argument("--suites", default=",".join(DEFAULT_SUITES),
                         help="comma-separated suites of tests/distributed/**/<suite>_checks.py, or round_trip_ours/"
-                             "round_trip_fsdp2 (DCP round trips between wrapped models, a program per rank, any "
-                             "non-zero exit a crash) (default %(default)s)")
+                             "round_trip_fsdp2/round_trip_all (DCP round trips between wrapped models, a program "
+                             "per rank, any non-zero exit a crash) (default %(default)s)")
     parser.add_argument("--world-sizes", default="2", help="comma-separated world sizes to cycle through (default 2)")
     parser.add_argument("--pool", choices=("off", "on", "both"), default="both",
                         help="MEGATRON_FSDP_BUFFER_POOL for the runs (default: both, one after the other)")

@@ -10,6 +10,8 @@ import random
 import torch
 import torch.distributed as dist
 
+from megatron_fsdp.comm.objects import all_gather_objects
+
 from .errors import UsageRuntimeError
 
 
@@ -65,8 +67,7 @@ def check_save_dir(path: str) -> None:
         error = f"{type(exc).__name__}: {exc}"
     errors = [error]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+        errors = all_gather_objects(error)
     for rank, message in enumerate(errors):
         if message is not None:
             raise UsageRuntimeError(

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_fsdp.comm.objects import all_gather_objects
 from megatron_fsdp.parallel import TensorParallel
 
 TRACKER_KEY = "mcore_cuda_rng_tracker"  # extra.pt: a list, entry r = rank r's megatron-core tracker states
@@ -178,8 +179,7 @@ def gather_tracker_states(tracker: RNGTracker | None) -> list[dict[str, torch.Te
         return None
     states = {k: v.cpu() for k, v in tracker.get_states().items()}
     if dist.is_available() and dist.is_initialized():
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, states)
+        everyone = all_gather_objects(states)
     else:
         everyone = [states]
     return everyone if any(everyone) else None

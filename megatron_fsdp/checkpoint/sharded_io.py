@@ -59,6 +59,7 @@ from megatron_fsdp.checkpoint.state_dicts import (
     reshard_all,
     settle,
 )
+from megatron_fsdp.comm.objects import all_gather_objects, broadcast_object
 
 
 @dataclass
@@ -87,18 +88,14 @@ def broadcast_from_first(value: Any, process_group: dist.ProcessGroup | None) ->
     """``value`` as computed on the group's first rank, on every rank."""
     if not _distributed():
         return value
-    holder = [value]
-    dist.broadcast_object_list(holder, group_src=0, group=process_group)
-    return holder[0]
+    return broadcast_object(value, process_group)
 
 
 def any_rank(flag: bool, process_group: dist.ProcessGroup | None) -> bool:
     """True on every rank if ``flag`` is true on any rank of the group (also a barrier)."""
     if not _distributed():
         return flag
-    flags: list[Any] = [None] * group_size(process_group)
-    dist.all_gather_object(flags, bool(flag), group=process_group)
-    return any(flags)
+    return any(all_gather_objects(bool(flag), process_group))
 
 
 def run_on_first(fn: Callable[[], Any], process_group: dist.ProcessGroup | None) -> Any:
@@ -131,8 +128,7 @@ def agree(fn: Callable[[], Any], process_group: dist.ProcessGroup | None) -> Any
         if error is not None:
             raise error
         return result
-    errors: list[Any] = [None] * group_size(process_group)
-    dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)), group=process_group)
+    errors = all_gather_objects(None if error is None else (type(error).__name__, str(error)), process_group)
     if error is not None:
         raise error
     for rank, failure in enumerate(errors):
@@ -181,8 +177,7 @@ def write_manifest(directory: str, process_group: dist.ProcessGroup | None) -> N
     files = broadcast_from_first(list_files(directory) if rank == 0 else None, process_group)
     entries = agree(lambda: hash_files(directory, share(files, world, rank), fsync=True), process_group)
     if _distributed():
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, entries, group=process_group)
+        gathered = all_gather_objects(entries, process_group)
         entries = {k: v for part in gathered for k, v in part.items()}
 
     def write() -> None:
@@ -219,8 +214,7 @@ def verify_checkpoint(path: str, process_group: dist.ProcessGroup | None = None,
         return False
     problems = verify_files(path, expected, share({k: v["size"] for k, v in expected.items()}, world, rank))
     if distributed:
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, problems, group=group)
+        gathered = all_gather_objects(problems, group)
         problems = [p for part in gathered for p in part]
     if problems:
         raise describe_problems(path, sorted(problems, key=lambda p: p[1]))
@@ -383,8 +377,7 @@ def _across_ranks(report: KeyReport, process_group: dist.ProcessGroup | None) ->
     """
     if not _distributed():
         return report
-    reports: list[Any] = [None] * group_size(process_group)
-    dist.all_gather_object(reports, report, group=process_group)
+    reports = all_gather_objects(report, process_group)
     unexpected = set.intersection(*(set(r.unexpected_keys) for r in reports))
 
     def union(lists: list[list[str]]) -> list[str]:

@@ -26,13 +26,20 @@ the exit). An alias shares its tensor's storage, so memory freed by resizing a s
 freed at once; a storage otherwise freed by dropping its last tensor outlives it until the next
 collective is issued or waited for.
 
-Collectives torch issues inside its own helpers (``all_gather_object``, DCP's planning rounds)
-are outside this module's reach.
+Collectives torch issues inside its own helpers (DCP's planning rounds, ``all_gather_object``;
+the library and the front-end use ``comm/objects.py`` instead, and eager ``full_tensor()`` of a
+ragged shard goes through here) are outside lending's reach. For those, the exit handler also
+waits, after the lent aliases, until no gloo worker thread (torch names them
+``pt_gloo_runloop``) is runnable: such a thread, between completing a work and dropping it, is
+either running or waiting for the CPU; once every one sleeps (on its queue, a peer, or the GIL,
+which the waiting loop keeps releasing) two polls running, it has let go of whatever it held.
+Linux only (``/proc/self/task``); elsewhere only the lent aliases are waited for.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -77,10 +84,55 @@ def lent_aliases() -> list[torch.Tensor]:
     return list(_lent)
 
 
+GLOO_WORKER_NAME = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+_TASKS = "/proc/self/task"
+
+
+def backend_thread_states() -> dict[int, str]:
+    """Each gloo worker thread of this process (by thread id) and its scheduler state ("R", "S", ...).
+
+    Empty where ``/proc`` is missing (not Linux) or no gloo group was made.
+    """
+    states: dict[int, str] = {}
+    try:
+        tids = os.listdir(_TASKS)
+    except OSError:
+        return states
+    for tid in tids:
+        try:
+            with open(f"{_TASKS}/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        if name == GLOO_WORKER_NAME:
+            states[int(tid)] = stat[stat.rindex(")") + 2]
+    return states
+
+
+def _backend_threads_busy() -> bool:
+    # R: running or waiting for a CPU; D: uninterruptible. Anything else is asleep.
+    return any(state in "RD" for state in backend_thread_states().values())
+
+
+def wait_for_quiet_backend_threads(timeout_s: float) -> bool:
+    """Wait until no gloo worker thread is runnable at two polls in a row; False if ``timeout_s`` ran out."""
+    deadline = time.monotonic() + timeout_s
+    quiet_polls = 0
+    while quiet_polls < 2:
+        quiet_polls = 0 if _backend_threads_busy() else quiet_polls + 1
+        if quiet_polls < 2:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)  # releases the GIL, which a worker may be waiting for
+    return True
+
+
 def _wait_for_release_at_exit() -> None:
     deadline = time.monotonic() + EXIT_WAIT_S
     while lent_aliases() and time.monotonic() < deadline:
         time.sleep(0.001)
+    wait_for_quiet_backend_threads(max(0.0, deadline - time.monotonic()))
 
 
 atexit.register(_wait_for_release_at_exit)

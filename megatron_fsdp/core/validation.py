@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from megatron_fsdp.comm.lending import on_aliases
+from megatron_fsdp.comm.objects import all_gather_objects
 
 # torch 2.13's FSDP2 ``DataParallelMeshDims``; None on a torch without it (2.11).
 DataParallelMeshDims: type | None = getattr(torch_fsdp, "DataParallelMeshDims", None)
@@ -213,8 +214,7 @@ def check_same_across_ranks(
         on_aliases(dist.all_reduce, probe, op=dist.ReduceOp.MAX, group=group)
         if int(probe[0]) == fingerprint and int(probe[1]) == -fingerprint:
             continue
-        per_rank: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(per_rank, signatures, group=group)
+        per_rank = all_gather_objects(signatures, group)
         ranks = dist.get_process_group_ranks(group)
         raise ValueError(
             f"fully_shard({module_name}): the model differs across data-parallel ranks {ranks}: "

@@ -25,14 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_fsdp.comm.collectives import _all_gather_flat, _reduce_scatter_flat
 from megatron_fsdp.comm.lending import on_aliases
 from megatron_fsdp.parallel.comm_bytes import record
 from megatron_fsdp.parallel.tp_group import TensorParallel
 
 SEQUENCE_DIM = 1
-# torch 2.13 renames the flat collectives (the old names warn); 2.11 has only the old ones.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

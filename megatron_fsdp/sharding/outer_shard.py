@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megatron_fsdp.comm.collectives import DEFAULT_COMM, OUTER_STREAM, CommConfig, Pending, all_gather
+from megatron_fsdp.comm.objects import all_gather_objects
 from megatron_fsdp.sharding.mesh import DataParallelMesh
 
 _FLAT_DIM = "_megatron_fsdp_dp"
@@ -94,8 +95,7 @@ def _flat_mesh(device_type: str, ranks: tuple[int, ...]) -> DeviceMesh:
         if len(ranks) == world:
             _FLAT_MESHES[key] = DeviceMesh(device_type, list(ranks), mesh_dim_names=(_FLAT_DIM,))
         else:
-            everyone: list[tuple[int, ...] | None] = [None] * world
-            dist.all_gather_object(everyone, ranks)
+            everyone: list[tuple[int, ...]] = all_gather_objects(ranks)
             rows = sorted(set(everyone))
             if any(len(row) != len(ranks) for row in rows):
                 raise ValueError(f"data-parallel groups of different sizes across the world: {rows}")

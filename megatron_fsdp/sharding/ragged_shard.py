@@ -23,13 +23,48 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard
 
+from megatron_fsdp.comm.collectives import _all_gather_flat
+from megatron_fsdp.comm.lending import on_aliases, return_lent
+
 # torch 2.13 renamed the functional all-gather; 2.11 only has the old name.
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def _all_gather(tensor: torch.Tensor, dim: int, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """Every mesh rank's ``tensor`` (equal shapes) concatenated along ``dim``, in mesh order.
+
+    Functional collectives while compiling (traceable); in eager mode the plain collective on
+    lent tensors (comm/lending.py), which full state dicts and ``full_tensor()`` reach: a
+    functional collective's tensors are released by gloo's worker thread, racing the exit.
+    """
+    if torch.compiler.is_compiling():
+        gathered = _funcol_all_gather(tensor, dim, (mesh, mesh_dim))
+        return gathered.wait() if isinstance(gathered, funcol.AsyncCollectiveTensor) else gathered
+    group = mesh.get_group(mesh_dim)
+    world = mesh.size(mesh_dim)
+    tensor = tensor.contiguous()
+    out = tensor.new_empty((world * tensor.size(0), *tensor.shape[1:]) if tensor.dim() else (world,))
+    on_aliases(_all_gather_flat, out, tensor, group=group, async_op=True).wait()
+    return_lent()
+    return out if dim == 0 else torch.cat(out.chunk(world), dim=dim)
+
+
+def _all_reduce(tensor: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """``tensor`` reduced over the mesh dim (``reduce_op``: a functional-collective name such as "sum")."""
+    if torch.compiler.is_compiling():
+        reduced = funcol.all_reduce(tensor.contiguous(), reduce_op, (mesh, mesh_dim))
+        return reduced.wait() if isinstance(reduced, funcol.AsyncCollectiveTensor) else reduced
+    reduced = tensor.contiguous().clone()
+    op = getattr(dist.ReduceOp, reduce_op.upper())
+    on_aliases(dist.all_reduce, reduced, op=op, group=mesh.get_group(mesh_dim), async_op=True).wait()
+    return_lent()
+    return reduced
 
 
 class RaggedShard(Shard):
@@ -118,9 +153,7 @@ class RaggedShard(Shard):
             pad_shape = list(local_tensor.shape)
             pad_shape[self.dim] = pad
             local_tensor = torch.cat([local_tensor, local_tensor.new_zeros(pad_shape)], self.dim)
-        gathered = _all_gather(local_tensor.contiguous(), self.dim, (mesh, mesh_dim))
-        if isinstance(gathered, funcol.AsyncCollectiveTensor):
-            gathered = gathered.wait()
+        gathered = _all_gather(local_tensor, self.dim, mesh, mesh_dim)
         pieces = torch.split(gathered, biggest, dim=self.dim)  # in mesh (process-group) order
         return torch.cat(
             [pieces[r].narrow(self.dim, 0, self.local_sizes[r]) for r in self.order], dim=self.dim
@@ -139,9 +172,7 @@ class RaggedShard(Shard):
         return self._replicate_to_shard(tensor, mesh, mesh_dim, coordinate[mesh_dim])
 
     def _reduce_shard_tensor(self, tensor, mesh, reduce_op, mesh_dim):
-        reduced = funcol.all_reduce(tensor.contiguous(), reduce_op, (mesh, mesh_dim))
-        if isinstance(reduced, funcol.AsyncCollectiveTensor):
-            reduced = reduced.wait()
+        reduced = _all_reduce(tensor, reduce_op, mesh, mesh_dim)
         return self._narrow(reduced, mesh.get_local_rank(mesh_dim)).clone()
 
     def _split_tensor(self, tensor, num_chunks, *, with_padding=True, contiguous=True):
@@ -161,10 +192,7 @@ def shard_sizes(tensor: DTensor, mesh_dim: int) -> list[int]:
     """Every mesh rank's local size along the dim ``tensor`` is sharded on at ``mesh_dim`` (a collective)."""
     placement = tensor.placements[mesh_dim]
     local = torch.tensor([tensor.to_local().size(placement.dim)], device=tensor.device)
-    sizes = _all_gather(local, 0, (tensor.device_mesh, mesh_dim))
-    if isinstance(sizes, funcol.AsyncCollectiveTensor):
-        sizes = sizes.wait()
-    return sizes.tolist()
+    return _all_gather(local, 0, tensor.device_mesh, mesh_dim).tolist()
 
 
 def _chunked_size(tensor: DTensor, mesh_dim: int, rank: int) -> int:

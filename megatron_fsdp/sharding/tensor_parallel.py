@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement
 
+from megatron_fsdp.comm.objects import all_gather_objects
 from megatron_fsdp.sharding.mesh import DataParallelMesh, mesh_ranks
 
 TP_DIM_NAME = "tp"  # the sharded mesh's dimension names, unless the given meshes name theirs
@@ -143,8 +144,7 @@ def sharded_mesh(spec: TensorParallelSpec, dp: DataParallelMesh) -> DeviceMesh:
     key = (device_type, tp_ranks, dp_ranks)
     if key not in _SHARDED_MESHES:
         tp_group, dp_group = spec.mesh.get_group(0), dp.shard_group
-        grid: list = [None] * len(tp_ranks)
-        dist.all_gather_object(grid, list(dp_ranks), group=tp_group)
+        grid = all_gather_objects(list(dp_ranks), tp_group)
         column = [row[dp_ranks.index(dist.get_rank())] for row in grid]
         if column != list(tp_ranks):
             raise ValueError(

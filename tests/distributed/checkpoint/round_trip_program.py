@@ -1,12 +1,13 @@
 """Issue 25's two scenarios as a whole program per rank: a DCP checkpoint moved between wrapped models.
 
-``python -m tests.distributed.checkpoint.round_trip_program ours|fsdp2 DIR`` under
-``torchrun --nproc-per-node 2`` (or ``run(rank, port, mode, dir)`` from a spawner): a model
+``python -m tests.distributed.checkpoint.round_trip_program ours,fsdp2,collectives DIR`` under
+``torchrun --nproc-per-node 2`` (or ``run(rank, port, scenarios, dir)`` from a spawner) runs the
+named scenarios in order, then exits. The round trips (``ours``, ``fsdp2``): a model
 of ours (three ``Linear`` units and the root) has 1 added to its weights and is saved with
 DCP; a second model (``ours``: another of ours; ``fsdp2``: PyTorch's FSDP2) loads it; both
 full state dicts are compared; the second is doubled, saved, and loaded into a third model
-of ours; full state dicts and a forward are compared again; then
-``destroy_process_group()`` and a normal interpreter exit. The models stay alive to the end,
+of ours; full state dicts and a forward are compared again. ``collectives``: our collectives
+on temporaries. Then ``destroy_process_group()`` and a normal interpreter exit. The models stay alive to the end,
 so whatever they hold meets the teardown. Any mismatch raises; the caller checks every
 rank's exit status (an abort at exit included).
 
@@ -78,17 +79,14 @@ def round_trip(mode: str, directory: str) -> list[nn.Module]:
     return [a, b, c]
 
 
-def collectives_then_exit(rank: int, port: int) -> None:
-    """Our gloo collectives on temporaries (the all-gather's per-rank views, a control round), then exit.
+def collectives(directory: str) -> list[torch.Tensor]:
+    """Our gloo collectives on temporaries (the all-gather's per-rank views, a control round).
 
-    The exit race of ``megatron_fsdp/comm/lending.py`` in its barest form: without lending,
-    this aborted at exit ("terminate called without an active exception") in 2-6 of 20 runs on
-    the busy 2-core machine; the process group stays referenced through the teardown, as a
-    wrapped model's does.
+    The exit race of ``megatron_fsdp/comm/lending.py`` in its barest form: without lending, a
+    program doing only this and exiting aborted ("terminate called without an active
+    exception") in 2-6 of 20 runs on the busy 2-core machine.
     """
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank = dist.get_rank()
     group = dist.group.WORLD
     output = torch.zeros(4096)
     for step in range(20):
@@ -96,22 +94,32 @@ def collectives_then_exit(rank: int, port: int) -> None:
         all_reduce_max(torch.tensor([step + rank]), group)
     expected = torch.cat([torch.full((2048,), float(r + 19)) for r in range(2)])
     assert torch.equal(output, expected), "the gathered values"
-    dist.destroy_process_group()
-    del group
+    return [output]
 
 
-def run(rank: int, port: int, mode: str, directory: str) -> None:
-    """One rank of the program, started by a spawner (``torch.multiprocessing``)."""
+SCENARIOS = {
+    "ours": lambda directory: round_trip("ours", directory),
+    "fsdp2": lambda directory: round_trip("fsdp2", directory),
+    "collectives": collectives,
+}
+
+
+def run(rank: int, port: int, scenarios: tuple[str, ...], directory: str) -> None:
+    """One rank running ``scenarios`` in order then exiting, started by a spawner (``torch.multiprocessing``)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    main(mode, directory)
+    main(scenarios, directory)
 
 
-def main(mode: str, directory: str) -> None:
+def main(scenarios: tuple[str, ...], directory: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    models = round_trip(mode, directory)  # noqa: F841  (alive through the teardown, as in a user's script)
+    kept = []  # alive through the teardown, as a user's models are
+    for name in scenarios:
+        path = os.path.join(directory, name)
+        os.makedirs(path, exist_ok=True)
+        kept.append(SCENARIOS[name](path))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(tuple(sys.argv[1].split(",")), sys.argv[2])
