@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -48,3 +49,16 @@ def test_a_collective_that_raises_lends_nothing(gloo):
     with pytest.raises(RuntimeError, match="refused at issue"):
         on_aliases(refuse, torch.ones(3))
     assert not lent_since(before)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="the exit guard reads /proc (Linux)")
+def test_the_exit_guard_finds_gloo_worker_threads_and_sees_them_go_quiet(gloo):
+    work = gloo.allreduce([torch.ones(4)])
+    work.wait()
+    states = lending.backend_thread_states()
+    assert states, (
+        f"no thread named {lending.GLOO_WORKER_NAME!r}: torch renamed gloo's worker threads, so the exit "
+        "guard of comm/lending.py no longer sees them; update GLOO_WORKER_NAME"
+    )
+    assert set(states.values()) <= set("RSDTtZXIP"), states
+    assert lending.wait_for_quiet_backend_threads(5.0), f"gloo's idle workers never quiet: {states}"
