@@ -13,6 +13,7 @@ Formats, chosen by the output's extension:
 from __future__ import annotations
 
 import os
+import re
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -31,6 +33,18 @@ from megatron_fsdp.checkpoint.safetensors_stream import SafetensorsWriter, Tenso
 from megatron_fsdp.checkpoint.sharded_io import any_rank, group_rank, read_metadata, verify_checkpoint
 from megatron_fsdp.checkpoint.state_dicts import MODEL_PREFIX, KeyReport, model_entries, reshard_all, settle
 from megatron_fsdp.sharding.ragged_shard import full_tensor
+
+# torch.load(weights_only=True)'s refusal of a pickled class it was not told is safe
+_UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
+class CheckpointClassError(RuntimeError):
+    """A checkpoint stores tensors of a class this process has not allowlisted for ``weights_only`` loading.
+
+    Not damage: ``torch.save`` pickles a tensor subclass's class with its data (torchao's
+    ``WeightWithDynamicFloat8CastTensor`` under float8 training, as with PyTorch FSDP2), and DCP's
+    reader accepts it once the class's package, which allowlists it on import, is imported.
+    """
 
 SAFETENSORS = (".safetensors",)
 TORCH_SAVE = (".pt", ".pth")
@@ -74,7 +88,15 @@ def read_full_tensors(checkpoint_dir: str, keys: list[str]) -> dict[str, torch.T
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(target, storage_reader=FileSystemReader(checkpoint_dir),
                      planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # DCP wraps a read's failure in a BaseException
+        unknown = _UNSUPPORTED_GLOBAL.search(str(exc))
+        if unknown:
+            module = unknown.group(1).rpartition(".")[0]
+            raise CheckpointClassError(
+                f"checkpoint {checkpoint_dir} stores tensors of class {unknown.group(1)}, which this process has "
+                f"not allowlisted for loading: import {module} first (torchao's float8 modules allowlist their "
+                "classes on import), or name it in torch.serialization.add_safe_globals / safe_globals"
+            ) from exc
         raise CheckpointCorruptError(
             f"reading {', '.join(keys)} from checkpoint {checkpoint_dir} failed ({type(exc).__name__}: {exc}); a "
             f"file of it is likely damaged (a checkpoint with a {MANIFEST_FILE} names the file: export checks it "

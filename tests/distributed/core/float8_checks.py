@@ -9,20 +9,33 @@ makes each ``Float8Linear`` weight a ``WeightWithDynamicFloat8CastTensor``, whos
 from __future__ import annotations
 
 import copy
+import functools
+import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_training_tensor import Float8TrainingTensor
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 from megatron_fsdp import MixedPrecisionPolicy, comm_stats, fully_shard
+from megatron_fsdp.checkpoint.export import read_full_tensors
 from tests.distributed.core.engine_checks import expect_error, world
-from tests.distributed.harness import check
+from tests.distributed.harness import check, device_type, shared_tmpdir
 
 SUITE = "float8"
 STEPS = 4
@@ -152,3 +165,166 @@ def float8_zero2_parity_and_full_state_dict_round_trip() -> None:
             assert torch.equal(p.full_tensor(), q.detach()), f"{strategy} reloaded {name}"
         x = batch(99, rank, n)
         assert torch.equal(fresh(x), ours(x)), strategy
+
+
+# -- sharded DCP checkpoints of float8 models ---------------------------------------
+SAVE_AT = 2  # steps before the checkpoint; STEPS in all
+
+
+@functools.cache
+def sub_mesh(size: int) -> DeviceMesh:
+    """A 1-D mesh over ranks 0..size-1 (every rank calls: it creates process groups); kept for the suite."""
+    if size == dist.get_world_size():
+        return init_device_mesh(device_type(), (size,))
+    return DeviceMesh(device_type(), torch.arange(size))
+
+
+def build(recipe: str, mesh: DeviceMesh) -> tuple[nn.Sequential, torch.optim.Optimizer]:
+    """A freshly built float8 model on ``mesh`` and its AdamW: torchao's float8 training
+    (``recipe="torchao"``) or the native ``gather_dtype`` gather (``recipe="gather_dtype"``)."""
+    if recipe == "torchao":
+        model = shard(float8(blocks()), mesh=mesh)
+    else:
+        model = shard(blocks(), mesh=mesh, mp_policy=MixedPrecisionPolicy(gather_dtype=torch.float8_e4m3fn))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, mesh: DeviceMesh) -> list[torch.Tensor]:
+    """Train ``steps`` on this rank's batches of ``mesh``'s data-parallel world; the losses."""
+    rank, n = mesh.get_local_rank(), mesh.size()
+    losses = []
+    for step in steps:
+        loss = model(batch(step, rank, n)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def save(path: str, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """The standard recipe, checking what DCP is handed: DTensors (float8 weights: over torchao's class, as
+    under FSDP2) and plain optimizer state."""
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    assert all(isinstance(v, DTensor) for v in state["model"].values()), state["model"].keys()
+    for name, entry in state["optim"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert isinstance(entry[key], DTensor) and type(entry[key]._local_tensor) is torch.Tensor, (name, key)
+    dcp.save(state, checkpoint_id=path, process_group=model_group(model))
+
+
+def load(path: str, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path, process_group=model_group(model))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+
+
+def model_group(model: nn.Module) -> dist.ProcessGroup:
+    return next(model.parameters()).device_mesh.get_group()
+
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter and AdamW moment as a whole plain tensor (collective over the model's ranks)."""
+    out = {f"model.{k}": v for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                                              cpu_offload=False)).items()}
+    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    for name, entry in osd["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            out[f"optim.state.{name}.{key}"] = entry[key]
+    return out
+
+
+@check(SUITE, params={"recipe": ["torchao", "gather_dtype"]})
+def float8_dcp_resume_is_bitwise(recipe: str) -> None:
+    """A sharded DCP checkpoint of a float8 model (model and optimizer) loads into a freshly built one
+    whose training goes on bitwise as the uninterrupted run's (losses and weights); the checkpoint's
+    tensors are the plain fp32 main weights and moments, equal to the full state dict's."""
+    rank, n = world()
+    mesh = sub_mesh(n)
+    model, opt = build(recipe, mesh)
+    train_steps(model, opt, range(SAVE_AT), mesh)
+    with shared_tmpdir("float8_ckpt_") as root:
+        path = os.path.join(root, "ckpt")
+        save(path, model, opt)
+        saved = full_state(model, opt)
+        assert all(type(v) is torch.Tensor and v.dtype == torch.float32 for v in saved.values()), recipe
+        if recipe == "torchao":  # the full state dict: DDP's weights with the same recipe (tolerance as above)
+            ddp = nn.parallel.DistributedDataParallel(float8(blocks()))
+            train_steps(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1), range(SAVE_AT), mesh)
+            for name, q in ddp.module.named_parameters():
+                if n == 2:
+                    assert torch.equal(saved[f"model.{name}"], q.detach()), name
+                else:
+                    torch.testing.assert_close(saved[f"model.{name}"], q.detach(), rtol=0, atol=1e-6, msg=name)
+        on_disk = read_full_tensors(path, [k for k in saved if not k.endswith(".step")])
+        for key, value in on_disk.items():  # the fp32 main weights and moments
+            assert torch.equal(value, saved[key]), key
+        # As under FSDP2: torch.save pickles each float8 weight's rows as torchao's class, which
+        # DCP's weights_only reader accepts once torchao.float8 is imported (it allowlists the class).
+        pickled = b""
+        for file in sorted(os.listdir(path)):
+            with open(os.path.join(path, file), "rb") as f:
+                pickled += f.read()
+        assert (b"WeightWithDynamicFloat8CastTensor" in pickled) == (recipe == "torchao"), recipe
+        fresh, fresh_opt = build(recipe, mesh)
+        train_steps(fresh, fresh_opt, range(SAVE_AT, SAVE_AT + 1), mesh)  # other weights and moments: replaced
+        load(path, fresh, fresh_opt)
+    resumed = full_state(fresh, fresh_opt)
+    assert resumed.keys() == saved.keys(), sorted(resumed.keys() ^ saved.keys())
+    for key, value in saved.items():
+        assert torch.equal(resumed[key], value), f"{recipe}: {key} after load"
+    expected = train_steps(model, opt, range(SAVE_AT, STEPS), mesh)
+    got = train_steps(fresh, fresh_opt, range(SAVE_AT, STEPS), mesh)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)), (recipe, got, expected)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), f"{recipe}: {name} after resumed training"
+    if rank == 0:
+        print(f"float8 DCP resume ({recipe}, {n} ranks): losses after resume {[f'{x.item():.6g}' for x in got]} "
+              "bitwise equal to the uninterrupted run's")
+
+
+@check(SUITE, world_sizes=(4,), params={"recipe": ["torchao", "gather_dtype"], "ranks": ["4->2", "2->4"]})
+def float8_dcp_reshards_across_world_sizes(recipe: str, ranks: str) -> None:
+    """Saved on one number of ranks, loaded on another: the loaded weights and moments equal the saved
+    ones bitwise, and training goes on bitwise as a model that got the same state through the full
+    state dict (no DCP) on the loading ranks."""
+    saving, loading = (int(x) for x in ranks.split("->"))
+    rank, _ = world()
+    with shared_tmpdir("float8_reshard_") as root:
+        path = os.path.join(root, "ckpt")
+        saved = None
+        if rank < saving:
+            mesh = sub_mesh(saving)
+            model, opt = build(recipe, mesh)
+            train_steps(model, opt, range(SAVE_AT), mesh)
+            save(path, model, opt)
+            saved = full_state(model, opt)
+        dist.barrier()
+        if rank < loading:
+            mesh = sub_mesh(loading)
+            fresh, fresh_opt = build(recipe, mesh)
+            train_steps(fresh, fresh_opt, range(SAVE_AT, SAVE_AT + 1), mesh)  # other state: replaced
+            load(path, fresh, fresh_opt)
+            resumed = full_state(fresh, fresh_opt)
+            on_disk = read_full_tensors(path, [k for k in resumed if not k.endswith(".step")])
+            for key, value in on_disk.items():
+                assert torch.equal(resumed[key], value), f"{ranks}: {key} after load"
+            if saved is not None:
+                assert resumed.keys() == saved.keys() and all(torch.equal(resumed[k], saved[k]) for k in saved)
+            # the same state through the full state dict, on the loading ranks
+            other, other_opt = build(recipe, mesh)
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(other, get_model_state_dict(fresh, options=options), options=options)
+            # cloned: the full optimizer state dict hands out fresh_opt's own "step" tensors, which
+            # other_opt would then share (and step twice)
+            full_osd = tree_map_only(torch.Tensor, torch.clone,
+                                     get_optimizer_state_dict(fresh, fresh_opt, options=options))
+            set_optimizer_state_dict(other, other_opt, full_osd, options=options)
+            theirs = full_state(other, other_opt)
+            assert all(torch.equal(resumed[k], theirs[k]) for k in resumed), ranks
+            got = train_steps(fresh, fresh_opt, range(SAVE_AT, STEPS), mesh)
+            expected = train_steps(other, other_opt, range(SAVE_AT, STEPS), mesh)
+            assert all(torch.equal(a, b) for a, b in zip(got, expected)), (recipe, ranks, got, expected)
+            for (name, p), q in zip(fresh.named_parameters(), other.parameters()):
+                assert torch.equal(p.full_tensor(), q.full_tensor()), f"{recipe} {ranks}: {name}"

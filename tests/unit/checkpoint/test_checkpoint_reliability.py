@@ -254,3 +254,24 @@ def test_save_state_failure_leaves_nothing(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         save_state(str(tmp_path / "c"), model, opt, before_commit=fail)
     assert os.listdir(tmp_path) == []
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass that torch.save pickles by class, as torchao's float8 weights are."""
+
+
+def test_a_pickled_tensor_class_not_allowlisted_is_named_not_called_damage(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_fsdp.checkpoint.export import CheckpointClassError, read_full_tensor
+
+    weight = torch.arange(6.0).reshape(2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # single process
+        dcp.save({"model.w": weight.as_subclass(_Tagged)}, checkpoint_id=str(tmp_path), no_dist=True)
+    name = f"{__name__}._Tagged"
+    with pytest.raises(CheckpointClassError, match=rf"class {name}, .* import {__name__} first"):
+        read_full_tensor(str(tmp_path), "model.w")
+    with torch.serialization.safe_globals([_Tagged]):
+        got = read_full_tensor(str(tmp_path), "model.w")
+    assert type(got) is torch.Tensor and torch.equal(got, weight)
