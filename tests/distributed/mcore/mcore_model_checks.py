@@ -17,6 +17,7 @@ import dataclasses
 import io
 import os
 import tempfile
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -143,7 +144,14 @@ def main_grads_to_grads(model: McoreDDP) -> None:
         param.grad = param.main_grad
 
 
-def train_mcore_ddp(args) -> tuple[dict, list[float]]:
+def _finish(model: McoreDDP) -> None:
+    model.finish_grad_sync()
+    main_grads_to_grads(model)
+
+
+def train_mcore_ddp(args, finish: Callable[[McoreDDP], None] = _finish) -> tuple[dict, list[float]]:
+    """Megatron's loop over megatron-core DDP; ``finish``: after the backward, before the step (its default:
+    finish_grad_sync, the reduced main_grad as the gradient)."""
     model = mcore_ddp(args)
     opt, losses = optimizer(model.module.parameters()), []
     for step in range(STEPS):
@@ -151,8 +159,7 @@ def train_mcore_ddp(args) -> tuple[dict, list[float]]:
         opt.zero_grad()
         loss = loss_of(model, step)
         loss.backward()
-        model.finish_grad_sync()
-        main_grads_to_grads(model)
+        finish(model)
         opt.step()
         losses.append(loss.item())
     return {n: p.detach().clone() for n, p in model.module.named_parameters()}, losses
@@ -165,8 +172,10 @@ def ours(args, strategy: str, instances: int = 1, mesh=None) -> FullyShardedData
     return FullyShardedDataParallel(module.config, ddp_config, module, device_mesh=mesh)
 
 
-def train_wrapped(model: FullyShardedDataParallel) -> tuple[dict, list[float]]:
-    """Megatron's loop calls on our adapter for ``STEPS`` steps: the full parameters after them, and each loss."""
+def train_wrapped(model: FullyShardedDataParallel, after_sync: Callable[[FullyShardedDataParallel], None] | None = None
+                  ) -> tuple[dict, list[float]]:
+    """Megatron's loop calls on our adapter for ``STEPS`` steps: the full parameters after them, and each loss.
+    ``after_sync``: what the loop does after finish_grad_sync (the sum over TP of sequence-parallel gradients)."""
     opt, losses = optimizer(model.parameters()), []
     for step in range(STEPS):
         model.zero_grad_buffer()
@@ -175,6 +184,8 @@ def train_wrapped(model: FullyShardedDataParallel) -> tuple[dict, list[float]]:
             loss = loss_of(model, step)
             loss.backward()
         model.finish_grad_sync()
+        if after_sync is not None:
+            after_sync(model)
         opt.step()
         model.start_param_sync()
         losses.append(loss.item())
@@ -363,6 +374,18 @@ def model_choice_names_the_cause() -> None:
         assert args_for(*flags).model_provider == "mcore", f"megatron-core's MoELayer runs {flags}"
     for backend in (["--use-megatron-fsdp"], ["--use-torch-fsdp2"]):
         assert args_for("--bf16", *backend).model_provider == "mcore", f"--bf16 with {backend} runs megatron-core"
+    # megatron-core's MoELayer under TP: with --sequence-parallel and whole experts (--expert-tensor-parallel-size 1)
+    moe_tp = ["--num-experts", "2", "--no-bias-gelu-fusion", "--tensor-model-parallel-size", "2"]
+    for flags, cause in (([], "without --sequence-parallel"),
+                         (["--sequence-parallel"], "pass --expert-tensor-parallel-size 1")):
+        try:
+            args_for(*moe_tp, *flags)
+        except ArgumentError as error:
+            assert cause in str(error), error
+        else:
+            raise AssertionError(f"MoE at TP2 with {flags} should stop")
+    tp_moe = args_for(*moe_tp, "--sequence-parallel", "--expert-tensor-parallel-size", "1")
+    assert tp_moe.model_provider == "mcore" and tp_moe.sequence_parallel, vars(tp_moe)
     config = transformer_config_from_args(model_args("--swiglu", "--normalization", "RMSNorm", "--num-query-groups",
                                                      "2", "--untie-embeddings-and-output-weights"))
     assert config.gated_linear_unit and config.normalization == "RMSNorm" and config.use_cpu_initialization
@@ -389,14 +412,11 @@ def pretrain_gpt_tensor_parallel_megatron_core_model() -> None:
               "--eval-iters", "1"]
     data_parallel, _ = _pretrain(common)
     assert data_parallel.valid_losses, "evaluation ran"
-    for extra, built in (([], "building megatron-core GPTModel"),
-                         # megatron-core's torch-norm fallback refuses sequence parallelism: auto says so.
-                         (["--sequence-parallel"], "building the project's own GPT (megatron/training/gpt_model.py): "
-                          "--model-provider auto, and megatron-core's GPTModel cannot run this: --sequence-parallel")):
+    # under --sequence-parallel megatron-core's model too: the front-end's sequence-parallel torch norms
+    # (mcore_norm.py), whose gradients the loop sums over TP
+    for extra in ([], ["--sequence-parallel"]):
         tensor_parallel_run, log = _pretrain([*common, "--tensor-model-parallel-size", "2", *extra])
-        assert built in log or dist.get_rank() != 0, log[:3000]
-        if extra:
-            continue  # the project's own GPT starts from other weights
+        assert "building megatron-core GPTModel" in log or dist.get_rank() != 0, log[:3000]
         for it, loss in data_parallel.losses.items():
             want = torch.tensor(loss)
             torch.testing.assert_close(torch.tensor(tensor_parallel_run.losses[it]), want, rtol=1e-5, atol=0,
@@ -433,6 +453,55 @@ def moe_expert_parallel_2_equals_megatron_core_ddp() -> None:
             ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy)
             wrapped = FullyShardedDataParallel(module.config, ddp_config, module, expt_device_mesh=expt_mesh)
             assert_same(f"EP2 {strategy}", train_wrapped(wrapped), reference)
+    finally:
+        parallel_state.destroy_model_parallel()
+        initialize_mcore_parallel(model_args(), seed=1)
+
+
+@check(SUITE, world_sizes=(4,))
+def moe_tensor_parallel_2_sequence_parallel_expert_parallel_2_equals_megatron_core_ddp() -> None:
+    """megatron-core's MoELayer under TP2 + sequence parallelism x DP2, experts EP2 x expert-DP2 (expert TP 1),
+    with the front-end's sequence-parallel torch norms (mcore_norm.py): our engine over DP == megatron-core DDP
+    with the same layout, Megatron's finalize_model_grads (DP reduction, then the sum over TP of the
+    sequence-parallel norms' and router's gradients), several AdamW steps, bitwise (each gradient element a
+    sum of two ranks' terms over DP, expert DP and TP alike)."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from megatron.training.mcore_norm import SequenceParallelTorchNorm  # noqa: F401 (the spec's norm)
+    from megatron_fsdp.parallel import TensorParallel, allreduce_sequence_parallel_grads
+
+    args = model_args("--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear",
+                      "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size",
+                      "2", "--expert-tensor-parallel-size", "1", "--use-megatron-fsdp")
+    try:
+        model = build(args)
+        ps = parallel_state
+        assert (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+                ps.get_expert_tensor_parallel_world_size(), ps.get_expert_data_parallel_world_size()) == (2, 2, 1, 2)
+        assert model.config.sequence_parallel and isinstance(model.decoder.layers[0].mlp, MoELayer)
+        norms = [p for n, p in model.named_parameters() if "layernorm" in n]
+        assert len(norms) == 2 * 2 * 2 + 2 and all(p.sequence_parallel for p in norms), \
+            "every norm (input, pre-MLP, final: weight and bias) is marked for the sum over TP"
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+
+        def reference_step(ddp: McoreDDP) -> None:
+            finalize_model_grads([ddp])
+            main_grads_to_grads(ddp)
+
+        reference = train_mcore_ddp(args, finish=reference_step)
+        assert reference[1][-1] < reference[1][0], f"the loss should fall: {reference[1]}"
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        expt_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+        assert dist.get_process_group_ranks(expt_mesh.get_group("ep")) == dist.get_process_group_ranks(
+            parallel_state.get_expert_model_parallel_group()), "our EP mesh is megatron-core's EP group"
+        tp = TensorParallel.from_group(tp_group, sequence_parallel=True)
+        for strategy in STRATEGIES:
+            module = build(args)
+            ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy)
+            wrapped = FullyShardedDataParallel(module.config, ddp_config, module, device_mesh=mesh,
+                                               expt_device_mesh=expt_mesh)
+            got = train_wrapped(wrapped, after_sync=lambda m: allreduce_sequence_parallel_grads(m.parameters(), tp))
+            assert_same(f"MoE TP2+SP EP2 {strategy}", got, reference)
     finally:
         parallel_state.destroy_model_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
