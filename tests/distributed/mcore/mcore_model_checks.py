@@ -265,6 +265,95 @@ def loop_methods_behave_as_megatron_core_ddp() -> None:
     assert all(p.grad is None for p in mine.parameters()), "zero_grad_buffer clears our gradients"
 
 
+def _accumulate_two(model, step: int) -> None:
+    """Megatron's two micro-batches of one step: the first under no_sync (kept locally), the second reduced
+    by finish_grad_sync (megatron-core DDP and the distributed optimizer reduce-scatter there)."""
+    with model.no_sync():
+        loss_of(model, 2 * step).backward()
+    loss_of(model, 2 * step + 1).backward()
+    model.finish_grad_sync()
+
+
+def _shard_step_optimizer(model: McoreDDP, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """What megatron-core's DistributedOptimizer steps for fp32 parameters, built from megatron-core DDP's own
+    buffers: each parameter's elements inside this rank's shard of its bucket (views of the DDP's param_data, with
+    the matching views of its reduce-scattered grad_data as gradients), under AdamW (element-wise, so a shard's
+    update is the full update's). megatron-core's DistributedOptimizer itself cannot be built on CPU
+    (megatron/core/optimizer/optimizer.py:473-485 allocates on device='cuda', and distrib_optimizer.py:420 accepts
+    only 'torch.cuda.FloatTensor' parameters)."""
+    rank, size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    shards = []
+    for buffer in model.buffers:
+        for start, end, bucket_id in buffer.param_index_map.values():
+            bucket = buffer.buckets[bucket_id]
+            per_rank = bucket.grad_data.numel() // size
+            lo, hi = max(start, bucket.offset + rank * per_rank), min(end, bucket.offset + (rank + 1) * per_rank)
+            if lo < hi:
+                shard = buffer.param_data[lo:hi]
+                shard.grad = buffer.grad_data[lo:hi]
+                shards.append(shard)
+    assert shards, "this rank owns a shard"
+    return torch.optim.AdamW(shards, lr=lr, weight_decay=weight_decay)
+
+
+def _accumulate_two(model, step: int) -> None:
+    """Megatron's two micro-batches of one step: the first under no_sync (kept locally), the second reduced by
+    finish_grad_sync (finalize_model_grads). Megatron's schedule calls start_grad_sync only with
+    overlap_grad_reduce; without it megatron-core's finish_grad_sync starts the reduction itself, so calling both
+    would reduce-scatter twice."""
+    with model.no_sync():
+        loss_of(model, 2 * step).backward()
+    loss_of(model, 2 * step + 1).backward()
+    model.finish_grad_sync()
+
+
+@check(SUITE, world_sizes=(2,))
+def distributed_optimizer_path_equals_megatron_core_ddp() -> None:
+    """megatron-core DDP's distributed-optimizer path (use_distributed_optimizer=True: gradients accumulated
+    through no_sync, reduce-scattered into its grad buffer; each rank steps its shard of the parameter buffer;
+    start_param_sync all-gathers it), with and without overlap_grad_reduce (its backward hooks then start the
+    reduce-scatters), == our adapter with use_distributed_optimizer=True under each sharding strategy (and
+    ZeRO-3 with overlapped reduction and gathers) and the same loop calls: every parameter after 4 steps of 2
+    micro-batches, bitwise at 2 ranks."""
+    args = model_args()
+    lr, weight_decay, steps = 1e-2, 0.1, 4
+    initial = {n: p.detach().clone() for n, p in build(args).named_parameters()}
+    reference = None
+    for overlap in (False, True):  # with overlap_grad_reduce the backward hooks start the reduce-scatters
+        module = build(args)
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap)
+        theirs = McoreDDP(config=module.config, ddp_config=ddp_config, module=module)
+        opt = _shard_step_optimizer(theirs, lr, weight_decay)
+        for step in range(steps):
+            theirs.zero_grad_buffer()
+            _accumulate_two(theirs, step)
+            opt.step()
+            theirs.start_param_sync()  # the distributed optimizer's all-gather of the updated shards
+        params = {n: p.detach().clone() for n, p in theirs.module.named_parameters()}
+        if reference is None:
+            reference = params
+            assert all(not torch.equal(params[n], initial[n]) for n in params), "every parameter moved (gathered)"
+        for name, value in params.items():
+            assert_equal(f"megatron-core DDP overlap_grad_reduce={overlap}: {name}", value, reference[name])
+    for strategy, overlap in (("optim", False), ("optim_grads", False), ("optim_grads_params", False),
+                              ("optim_grads_params", True)):
+        ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True,
+                                                   data_parallel_sharding_strategy=strategy,
+                                                   overlap_grad_reduce=overlap, overlap_param_gather=overlap)
+        module = build(args)
+        mine = FullyShardedDataParallel(module.config, ddp_config, module)
+        ours_opt = torch.optim.AdamW(mine.parameters(), lr=lr, weight_decay=weight_decay)
+        for step in range(steps):
+            mine.zero_grad_buffer()
+            ours_opt.zero_grad()
+            _accumulate_two(mine, step)
+            ours_opt.step()
+            mine.start_param_sync()
+        for name, param in mine.module.module.named_parameters():
+            assert_equal(f"distributed optimizer {strategy} (overlap {overlap}): {name}", param.full_tensor(),
+                         reference[name])
+
+
 def _pretrain(argv: list[str]):
     from megatron.training.training import pretrain
     from pretrain_gpt import forward_step, model_provider
