@@ -23,7 +23,7 @@ from megatron_fsdp.core.module import FSDPModule
 from megatron_fsdp.mcore import FullyShardedDataParallel
 from megatron_fsdp.optim.grad_norm import clip_grad_norm_, get_grad_norm
 from megatron_fsdp.optim.optimizer import fully_shard_optimizer
-from megatron_fsdp.parallel import allreduce_sequence_parallel_grads, params_for_grad_norm
+from megatron_fsdp.parallel import TensorParallel, allreduce_sequence_parallel_grads, params_for_grad_norm
 from megatron_fsdp.parallel.expert_dispatch import ExpertParallel
 
 from .initialize import print_rank_0
@@ -66,9 +66,9 @@ class DataParallelBackend(abc.ABC):
         """
         params = [p for p in self.model.parameters() if p.grad is not None]
         tp, ep = self.layout.tp, self.layout.ep
-        if ep.size > 1:  # expert shards are distinct across EP too: their squares are summed over EP
-            return clip_grad_norm_with_experts(params, max_norm, ep)
         allreduce_sequence_parallel_grads(params, tp)
+        if ep.size > 1:  # expert shards are distinct across EP too: their squares are summed over EP
+            return clip_grad_norm_with_experts(params, max_norm, ep, tp)
         norm = clip_grad_norm_(params, max_norm, model_parallel_group=tp.group if tp.size > 1 else None,
                                parameters_for_norm=params_for_grad_norm(params, tp))
         return float(norm)
@@ -88,7 +88,9 @@ class DataParallelBackend(abc.ABC):
         if ep.size > 1:
             expert = [h for h in holders if not getattr(h, "allreduce", True)]
             dense = [h for h in holders if getattr(h, "allreduce", True)]
-            parts = (get_grad_norm(dense, norm_type), get_grad_norm(expert, norm_type, model_parallel_group=ep.group))
+            parts = (get_grad_norm(params_for_grad_norm(dense, tp), norm_type,
+                                   model_parallel_group=tp.group if tp.size > 1 else None),
+                     get_grad_norm(expert, norm_type, model_parallel_group=ep.group))
             return float(sum(p ** norm_type for p in parts) ** (1.0 / norm_type))
         return float(get_grad_norm(params_for_grad_norm(holders, tp), norm_type,
                                    model_parallel_group=tp.group if tp.size > 1 else None))
@@ -190,14 +192,21 @@ def _gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def clip_grad_norm_with_experts(params: list[torch.Tensor], max_norm: float, ep: ExpertParallel) -> float:
+def clip_grad_norm_with_experts(params: list[torch.Tensor], max_norm: float, ep: ExpertParallel,
+                                tp: TensorParallel | None = None) -> float:
     """Clip by the global norm where expert parameters (``allreduce = False``) differ across EP ranks.
 
-    Dense shards are summed over their data-parallel mesh; expert shards over their
-    expert data-parallel mesh and then over the EP group, so each parameter counts once.
+    Dense shards are summed over their data-parallel mesh, and under tensor parallelism
+    over TP (TP-split slices on every TP rank, TP-replicated parameters from TP rank 0);
+    expert shards (whole experts: no expert tensor parallelism) over their expert
+    data-parallel mesh and then over the EP group, so each parameter counts once.
     """
     expert = {id(p) for p in params if not getattr(p, "allreduce", True)}
-    dense_sq = get_grad_norm([p for p in params if id(p) not in expert]) ** 2
+    dense = [p for p in params if id(p) not in expert]
+    if tp is not None and tp.size > 1:
+        dense_sq = get_grad_norm(params_for_grad_norm(dense, tp), model_parallel_group=tp.group) ** 2
+    else:
+        dense_sq = get_grad_norm(dense) ** 2
     expert_sq = get_grad_norm([p for p in params if id(p) in expert], model_parallel_group=ep.group) ** 2
     norm = (dense_sq + expert_sq).sqrt()
     coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_ formula

@@ -73,11 +73,6 @@ def mcore_blockers(args: argparse.Namespace) -> list[str]:
     if args.context_parallel_size > 1:
         blockers.append("--context-parallel-size > 1: megatron-core's context parallelism is not wired into this "
                         "front-end (it needs TransformerEngine's attention)")
-    local_spec = _arg(args, "transformer_impl", "local") == "local"
-    if (args.sequence_parallel and args.tensor_model_parallel_size > 1 and local_spec
-            and importlib.util.find_spec("apex") is None):
-        blockers.append("--sequence-parallel: megatron-core's local layer spec without Apex norms uses torch's "
-                        "LayerNorm, which megatron-core refuses under sequence parallelism")
     if args.num_experts:
         # megatron-core 0.16.1's experts fuse the bias-activation with the router's per-token probabilities only
         # for SwiGLU without bias: anything else raises at the first forward (on GPUs too).
@@ -165,11 +160,24 @@ def transformer_config_from_args(args: argparse.Namespace):
         kw.update(dict.fromkeys(CPU_OFF_FUSIONS, False))
         kw["moe_grouped_gemm"] = False  # grouped_gemm / TransformerEngine are CUDA-only: one matmul per expert
         # The fused bias-activation and bias-dropout-add are TorchScript: they run on CPU, left as asked.
+    kw["expert_tensor_parallel_size"] = 1  # expert tensor parallelism is not built (initialize_mcore_parallel)
     kw["transformer_impl"] = _arg(args, "transformer_impl", "local")
     return config_class(**{k: v for k, v in kw.items() if k in names})
 
 
 def _layer_spec(args: argparse.Namespace, config):
+    """Megatron-LM's layer-spec choice, and under sequence parallelism without Apex the block spec with
+    ``mcore_norm``'s torch norms that take it (megatron-core's torch-norm fallback refuses it)."""
+    spec = _megatron_layer_spec(args, config)
+    if (config.sequence_parallel and config.transformer_impl == "local"
+            and importlib.util.find_spec("apex") is None):
+        from .mcore_norm import with_sequence_parallel_norms
+
+        spec = with_sequence_parallel_norms(spec, config.num_layers)
+    return spec
+
+
+def _megatron_layer_spec(args: argparse.Namespace, config):
     """Megatron-LM's layer-spec choice (gpt_builders.py): with --num-experts a block spec of dense and MoE layers
     by --moe-layer-freq, else one layer spec."""
     from megatron.core.models.gpt import gpt_layer_specs
@@ -216,6 +224,8 @@ def initialize_mcore_parallel(args: argparse.Namespace, seed: int) -> None:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
+            # no expert tensor parallelism here (--expert-tensor-parallel-size 1; Megatron's default is the TP size)
+            expert_tensor_parallel_size=1,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 

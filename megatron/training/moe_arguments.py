@@ -56,10 +56,16 @@ def validate_moe_args(args: argparse.Namespace, world_size: int, fail: Callable[
         fail(f"--moe-aux-loss-coeff must be a finite number >= 0, got {args.moe_aux_loss_coeff}")
     mcore = args.model_provider == "mcore"
     ours = " on this front-end's own GPT (--model-provider gpt)"
+    tp = args.tensor_model_parallel_size
     unsupported = (
-        (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1 (our GPT has no expert tensor "
-         "parallelism; megatron-core's MoELayer trains under TP only with --sequence-parallel, which its local "
-         "layer spec refuses without Apex or TransformerEngine)"),
+        (tp > 1 and not mcore, "--tensor-model-parallel-size > 1" + ours + " (it has no tensor-parallel MoE; "
+         "megatron-core's model has one)"),
+        (tp > 1 and mcore and not args.sequence_parallel, "--tensor-model-parallel-size > 1 without "
+         "--sequence-parallel (megatron-core's MoELayer trains under TP only with sequence parallelism)"),
+        (tp > 1 and mcore and getattr(args, "expert_tensor_parallel_size", None) != 1,
+         f"--tensor-model-parallel-size {tp} and Megatron's default --expert-tensor-parallel-size (the TP size): "
+         "expert tensor parallelism is not built; pass --expert-tensor-parallel-size 1 (experts whole on each "
+         "rank, spread over --expert-model-parallel-size)"),
         (args.context_parallel_size > 1, "--context-parallel-size > 1"),
         (args.calculate_per_token_loss and not mcore, "--calculate-per-token-loss" + ours + " (its auxiliary loss is "
          "scaled per micro-batch; megatron-core's model supports it)"),

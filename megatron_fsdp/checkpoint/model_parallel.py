@@ -51,7 +51,15 @@ class ModelParallel:
         return fqn if self.rename is None else self.rename(fqn)
 
     def is_sliced(self, param: torch.Tensor) -> bool:
-        """True for a TP-sharded parameter (its checkpoint entry is the full tensor)."""
+        """True for a TP-sharded parameter (its checkpoint entry is the full tensor).
+
+        Expert parameters (``allreduce = False``) are split over the expert TP group, not
+        this one: megatron-core marks them ``tensor_model_parallel`` even where that group
+        has one rank, and expert tensor parallelism is not built here (fully_shard_model
+        refuses it), so under TP they are whole experts, saved as they are.
+        """
+        if not getattr(param, "allreduce", True):
+            return False
         return self.tp_size > 1 and bool(getattr(param, "tensor_model_parallel", False))
 
 

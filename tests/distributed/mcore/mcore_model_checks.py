@@ -17,6 +17,7 @@ import dataclasses
 import io
 import os
 import tempfile
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -143,7 +144,14 @@ def main_grads_to_grads(model: McoreDDP) -> None:
         param.grad = param.main_grad
 
 
-def train_mcore_ddp(args) -> tuple[dict, list[float]]:
+def _finish(model: McoreDDP) -> None:
+    model.finish_grad_sync()
+    main_grads_to_grads(model)
+
+
+def train_mcore_ddp(args, finish: Callable[[McoreDDP], None] = _finish) -> tuple[dict, list[float]]:
+    """Megatron's loop over megatron-core DDP; ``finish``: after the backward, before the step (its default:
+    finish_grad_sync, the reduced main_grad as the gradient)."""
     model = mcore_ddp(args)
     opt, losses = optimizer(model.module.parameters()), []
     for step in range(STEPS):
@@ -151,8 +159,7 @@ def train_mcore_ddp(args) -> tuple[dict, list[float]]:
         opt.zero_grad()
         loss = loss_of(model, step)
         loss.backward()
-        model.finish_grad_sync()
-        main_grads_to_grads(model)
+        finish(model)
         opt.step()
         losses.append(loss.item())
     return {n: p.detach().clone() for n, p in model.module.named_parameters()}, losses
@@ -165,8 +172,10 @@ def ours(args, strategy: str, instances: int = 1, mesh=None) -> FullyShardedData
     return FullyShardedDataParallel(module.config, ddp_config, module, device_mesh=mesh)
 
 
-def train_wrapped(model: FullyShardedDataParallel) -> tuple[dict, list[float]]:
-    """Megatron's loop calls on our adapter for ``STEPS`` steps: the full parameters after them, and each loss."""
+def train_wrapped(model: FullyShardedDataParallel, after_sync: Callable[[FullyShardedDataParallel], None] | None = None
+                  ) -> tuple[dict, list[float]]:
+    """Megatron's loop calls on our adapter for ``STEPS`` steps: the full parameters after them, and each loss.
+    ``after_sync``: what the loop does after finish_grad_sync (the sum over TP of sequence-parallel gradients)."""
     opt, losses = optimizer(model.parameters()), []
     for step in range(STEPS):
         model.zero_grad_buffer()
@@ -175,6 +184,8 @@ def train_wrapped(model: FullyShardedDataParallel) -> tuple[dict, list[float]]:
             loss = loss_of(model, step)
             loss.backward()
         model.finish_grad_sync()
+        if after_sync is not None:
+            after_sync(model)
         opt.step()
         model.start_param_sync()
         losses.append(loss.item())
@@ -252,6 +263,95 @@ def loop_methods_behave_as_megatron_core_ddp() -> None:
         model.zero_grad_buffer()
     assert all(not p.main_grad.any() for p in theirs.module.parameters())
     assert all(p.grad is None for p in mine.parameters()), "zero_grad_buffer clears our gradients"
+
+
+def _accumulate_two(model, step: int) -> None:
+    """Megatron's two micro-batches of one step: the first under no_sync (kept locally), the second reduced
+    by finish_grad_sync (megatron-core DDP and the distributed optimizer reduce-scatter there)."""
+    with model.no_sync():
+        loss_of(model, 2 * step).backward()
+    loss_of(model, 2 * step + 1).backward()
+    model.finish_grad_sync()
+
+
+def _shard_step_optimizer(model: McoreDDP, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """What megatron-core's DistributedOptimizer steps for fp32 parameters, built from megatron-core DDP's own
+    buffers: each parameter's elements inside this rank's shard of its bucket (views of the DDP's param_data, with
+    the matching views of its reduce-scattered grad_data as gradients), under AdamW (element-wise, so a shard's
+    update is the full update's). megatron-core's DistributedOptimizer itself cannot be built on CPU
+    (megatron/core/optimizer/optimizer.py:473-485 allocates on device='cuda', and distrib_optimizer.py:420 accepts
+    only 'torch.cuda.FloatTensor' parameters)."""
+    rank, size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    shards = []
+    for buffer in model.buffers:
+        for start, end, bucket_id in buffer.param_index_map.values():
+            bucket = buffer.buckets[bucket_id]
+            per_rank = bucket.grad_data.numel() // size
+            lo, hi = max(start, bucket.offset + rank * per_rank), min(end, bucket.offset + (rank + 1) * per_rank)
+            if lo < hi:
+                shard = buffer.param_data[lo:hi]
+                shard.grad = buffer.grad_data[lo:hi]
+                shards.append(shard)
+    assert shards, "this rank owns a shard"
+    return torch.optim.AdamW(shards, lr=lr, weight_decay=weight_decay)
+
+
+def _accumulate_two(model, step: int) -> None:
+    """Megatron's two micro-batches of one step: the first under no_sync (kept locally), the second reduced by
+    finish_grad_sync (finalize_model_grads). Megatron's schedule calls start_grad_sync only with
+    overlap_grad_reduce; without it megatron-core's finish_grad_sync starts the reduction itself, so calling both
+    would reduce-scatter twice."""
+    with model.no_sync():
+        loss_of(model, 2 * step).backward()
+    loss_of(model, 2 * step + 1).backward()
+    model.finish_grad_sync()
+
+
+@check(SUITE, world_sizes=(2,))
+def distributed_optimizer_path_equals_megatron_core_ddp() -> None:
+    """megatron-core DDP's distributed-optimizer path (use_distributed_optimizer=True: gradients accumulated
+    through no_sync, reduce-scattered into its grad buffer; each rank steps its shard of the parameter buffer;
+    start_param_sync all-gathers it), with and without overlap_grad_reduce (its backward hooks then start the
+    reduce-scatters), == our adapter with use_distributed_optimizer=True under each sharding strategy (and
+    ZeRO-3 with overlapped reduction and gathers) and the same loop calls: every parameter after 4 steps of 2
+    micro-batches, bitwise at 2 ranks."""
+    args = model_args()
+    lr, weight_decay, steps = 1e-2, 0.1, 4
+    initial = {n: p.detach().clone() for n, p in build(args).named_parameters()}
+    reference = None
+    for overlap in (False, True):  # with overlap_grad_reduce the backward hooks start the reduce-scatters
+        module = build(args)
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap)
+        theirs = McoreDDP(config=module.config, ddp_config=ddp_config, module=module)
+        opt = _shard_step_optimizer(theirs, lr, weight_decay)
+        for step in range(steps):
+            theirs.zero_grad_buffer()
+            _accumulate_two(theirs, step)
+            opt.step()
+            theirs.start_param_sync()  # the distributed optimizer's all-gather of the updated shards
+        params = {n: p.detach().clone() for n, p in theirs.module.named_parameters()}
+        if reference is None:
+            reference = params
+            assert all(not torch.equal(params[n], initial[n]) for n in params), "every parameter moved (gathered)"
+        for name, value in params.items():
+            assert_equal(f"megatron-core DDP overlap_grad_reduce={overlap}: {name}", value, reference[name])
+    for strategy, overlap in (("optim", False), ("optim_grads", False), ("optim_grads_params", False),
+                              ("optim_grads_params", True)):
+        ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True,
+                                                   data_parallel_sharding_strategy=strategy,
+                                                   overlap_grad_reduce=overlap, overlap_param_gather=overlap)
+        module = build(args)
+        mine = FullyShardedDataParallel(module.config, ddp_config, module)
+        ours_opt = torch.optim.AdamW(mine.parameters(), lr=lr, weight_decay=weight_decay)
+        for step in range(steps):
+            mine.zero_grad_buffer()
+            ours_opt.zero_grad()
+            _accumulate_two(mine, step)
+            ours_opt.step()
+            mine.start_param_sync()
+        for name, param in mine.module.module.named_parameters():
+            assert_equal(f"distributed optimizer {strategy} (overlap {overlap}): {name}", param.full_tensor(),
+                         reference[name])
 
 
 def _pretrain(argv: list[str]):
@@ -363,6 +463,18 @@ def model_choice_names_the_cause() -> None:
         assert args_for(*flags).model_provider == "mcore", f"megatron-core's MoELayer runs {flags}"
     for backend in (["--use-megatron-fsdp"], ["--use-torch-fsdp2"]):
         assert args_for("--bf16", *backend).model_provider == "mcore", f"--bf16 with {backend} runs megatron-core"
+    # megatron-core's MoELayer under TP: with --sequence-parallel and whole experts (--expert-tensor-parallel-size 1)
+    moe_tp = ["--num-experts", "2", "--no-bias-gelu-fusion", "--tensor-model-parallel-size", "2"]
+    for flags, cause in (([], "without --sequence-parallel"),
+                         (["--sequence-parallel"], "pass --expert-tensor-parallel-size 1")):
+        try:
+            args_for(*moe_tp, *flags)
+        except ArgumentError as error:
+            assert cause in str(error), error
+        else:
+            raise AssertionError(f"MoE at TP2 with {flags} should stop")
+    tp_moe = args_for(*moe_tp, "--sequence-parallel", "--expert-tensor-parallel-size", "1")
+    assert tp_moe.model_provider == "mcore" and tp_moe.sequence_parallel, vars(tp_moe)
     config = transformer_config_from_args(model_args("--swiglu", "--normalization", "RMSNorm", "--num-query-groups",
                                                      "2", "--untie-embeddings-and-output-weights"))
     assert config.gated_linear_unit and config.normalization == "RMSNorm" and config.use_cpu_initialization
@@ -389,14 +501,11 @@ def pretrain_gpt_tensor_parallel_megatron_core_model() -> None:
               "--eval-iters", "1"]
     data_parallel, _ = _pretrain(common)
     assert data_parallel.valid_losses, "evaluation ran"
-    for extra, built in (([], "building megatron-core GPTModel"),
-                         # megatron-core's torch-norm fallback refuses sequence parallelism: auto says so.
-                         (["--sequence-parallel"], "building the project's own GPT (megatron/training/gpt_model.py): "
-                          "--model-provider auto, and megatron-core's GPTModel cannot run this: --sequence-parallel")):
+    # under --sequence-parallel megatron-core's model too: the front-end's sequence-parallel torch norms
+    # (mcore_norm.py), whose gradients the loop sums over TP
+    for extra in ([], ["--sequence-parallel"]):
         tensor_parallel_run, log = _pretrain([*common, "--tensor-model-parallel-size", "2", *extra])
-        assert built in log or dist.get_rank() != 0, log[:3000]
-        if extra:
-            continue  # the project's own GPT starts from other weights
+        assert "building megatron-core GPTModel" in log or dist.get_rank() != 0, log[:3000]
         for it, loss in data_parallel.losses.items():
             want = torch.tensor(loss)
             torch.testing.assert_close(torch.tensor(tensor_parallel_run.losses[it]), want, rtol=1e-5, atol=0,
@@ -433,6 +542,55 @@ def moe_expert_parallel_2_equals_megatron_core_ddp() -> None:
             ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy)
             wrapped = FullyShardedDataParallel(module.config, ddp_config, module, expt_device_mesh=expt_mesh)
             assert_same(f"EP2 {strategy}", train_wrapped(wrapped), reference)
+    finally:
+        parallel_state.destroy_model_parallel()
+        initialize_mcore_parallel(model_args(), seed=1)
+
+
+@check(SUITE, world_sizes=(4,))
+def moe_tensor_parallel_2_sequence_parallel_expert_parallel_2_equals_megatron_core_ddp() -> None:
+    """megatron-core's MoELayer under TP2 + sequence parallelism x DP2, experts EP2 x expert-DP2 (expert TP 1),
+    with the front-end's sequence-parallel torch norms (mcore_norm.py): our engine over DP == megatron-core DDP
+    with the same layout, Megatron's finalize_model_grads (DP reduction, then the sum over TP of the
+    sequence-parallel norms' and router's gradients), several AdamW steps, bitwise (each gradient element a
+    sum of two ranks' terms over DP, expert DP and TP alike)."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from megatron.training.mcore_norm import SequenceParallelTorchNorm  # noqa: F401 (the spec's norm)
+    from megatron_fsdp.parallel import TensorParallel, allreduce_sequence_parallel_grads
+
+    args = model_args("--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear",
+                      "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size",
+                      "2", "--expert-tensor-parallel-size", "1", "--use-megatron-fsdp")
+    try:
+        model = build(args)
+        ps = parallel_state
+        assert (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+                ps.get_expert_tensor_parallel_world_size(), ps.get_expert_data_parallel_world_size()) == (2, 2, 1, 2)
+        assert model.config.sequence_parallel and isinstance(model.decoder.layers[0].mlp, MoELayer)
+        norms = [p for n, p in model.named_parameters() if "layernorm" in n]
+        assert len(norms) == 2 * 2 * 2 + 2 and all(p.sequence_parallel for p in norms), \
+            "every norm (input, pre-MLP, final: weight and bias) is marked for the sum over TP"
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+
+        def reference_step(ddp: McoreDDP) -> None:
+            finalize_model_grads([ddp])
+            main_grads_to_grads(ddp)
+
+        reference = train_mcore_ddp(args, finish=reference_step)
+        assert reference[1][-1] < reference[1][0], f"the loss should fall: {reference[1]}"
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        expt_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+        assert dist.get_process_group_ranks(expt_mesh.get_group("ep")) == dist.get_process_group_ranks(
+            parallel_state.get_expert_model_parallel_group()), "our EP mesh is megatron-core's EP group"
+        tp = TensorParallel.from_group(tp_group, sequence_parallel=True)
+        for strategy in STRATEGIES:
+            module = build(args)
+            ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy)
+            wrapped = FullyShardedDataParallel(module.config, ddp_config, module, device_mesh=mesh,
+                                               expt_device_mesh=expt_mesh)
+            got = train_wrapped(wrapped, after_sync=lambda m: allreduce_sequence_parallel_grads(m.parameters(), tp))
+            assert_same(f"MoE TP2+SP EP2 {strategy}", got, reference)
     finally:
         parallel_state.destroy_model_parallel()
         initialize_mcore_parallel(model_args(), seed=1)

@@ -93,6 +93,20 @@ def test_unsliced_values_are_unchanged():
     assert checkpoint_value(step, sliced, ModelParallel(tp_size=2), "w") is step
 
 
+def test_expert_parameters_are_not_tensor_parallel_slices():
+    """megatron-core marks expert weights tensor_model_parallel even with expert TP 1 (no expert tensor
+    parallelism here): under dense TP2 they are whole experts, saved as they are, not gathered over TP."""
+    expert = torch.nn.Parameter(torch.ones(4, 2))
+    set_tensor_model_parallel_attributes(expert, True, 0)
+    expert.allreduce = False  # megatron-core's mark of an expert parameter
+    layout = ModelParallel(tp_size=2)
+    assert not layout.is_sliced(expert)
+    assert checkpoint_value(expert, expert, layout, "experts.0.w") is expert
+    dense = torch.nn.Parameter(torch.ones(4, 2))
+    set_tensor_model_parallel_attributes(dense, True, 0)
+    assert layout.is_sliced(dense)
+
+
 def test_segments_that_do_not_split_evenly_name_the_parameter():
     param = torch.nn.Parameter(torch.ones(6, 2))
     set_tensor_model_parallel_attributes(param, True, 0, segments=(8, 3, 1))
