@@ -20,11 +20,13 @@ depend on the expert-parallel size.
 
 ``ChunkedTensor`` is the DCP value of such an entry: it has the full shape and
 holds views of this rank's real (FSDP-sharded) storage, so a save writes only
-those rows and a load reads straight into them.
+those rows and a load reads straight into them. ``staged_copy`` turns any entry
+into one holding host copies instead (a save that runs in the background).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -199,3 +201,23 @@ def full_shape(param: torch.Tensor, layout: ModelParallel, name: str) -> tuple[i
 def source_of(value: Any) -> Any:
     """The model's or optimizer's own value behind a checkpoint value."""
     return value.source if isinstance(value, ChunkedTensor) else value
+
+
+def staged_copy(value: Any) -> Any:
+    """A host copy of a checkpoint value, for a save written after training moved on (``async_save_checkpoint``).
+
+    Tensors are copied to CPU memory; a DTensor or ``ChunkedTensor`` becomes a ``ChunkedTensor``
+    of the same full shape holding copies of this rank's blocks at their offsets (DCP writes it
+    as it writes the original); anything else is deep-copied.
+    """
+    if isinstance(value, (ChunkedTensor, DTensor)):
+        if isinstance(value, ChunkedTensor):
+            blocks = value.chunks
+        else:
+            local, offsets = local_block(value)
+            blocks = [(offsets, local)] if local.numel() else []
+        chunks = [(offsets, block.detach().to("cpu", copy=True)) for offsets, block in blocks]
+        return ChunkedTensor(value.shape, chunks, torch.empty(0, dtype=value.dtype))
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    return copy.deepcopy(value)

@@ -825,29 +825,39 @@ def _assert_same_full_form(what: str, got: dict, want: dict) -> None:
 def megatron_core_checkpoints_resume_and_convert() -> None:
     """fsdp_dtensor checkpoints of megatron-core's GPTModel through pretrain_gpt.py, saved at 2 of 4 iterations:
     resumed at the same layout (TP2, and MoE at EP2; dropout on, Megatron's default flags) the run continues
-    bitwise; resumed at another TP, EP and data-parallel size (dropout off), the loaded parameters equal the saved
-    ones gathered to full form bitwise and the losses continue the saved run's within ``CONVERTED_RTOL``."""
+    bitwise, with --async-save too (the same training, checkpoint and resumed losses as a synchronous save);
+    resumed at another TP, EP and data-parallel size (dropout off), the loaded parameters equal the saved ones
+    gathered to full form bitwise and the losses continue the saved run's within ``CONVERTED_RTOL``."""
     world = dist.get_world_size()
     other_ep = 1 if world == 2 else 4  # EP2 x EDP1 -> EP1 x EDP2 at 2 ranks; EP2 x EDP2 -> EP4 x EDP1 at 4
     # (model flags, saved layout, [(resumed layout, bitwise?)]): TP2 x DP(world/2) -> TP1 x DP(world)
     cases = [
         ([*CKPT_DENSE], ["--tensor-model-parallel-size", "2"], [(["--tensor-model-parallel-size", "2"], True)]),
+        # the same run with --async-save: a background write of the state copied at the save (compared below)
+        ([*CKPT_DENSE, "--async-save"], ["--tensor-model-parallel-size", "2"],
+         [(["--tensor-model-parallel-size", "2"], True)]),
         ([*CKPT_DENSE, *NO_DROPOUT], ["--tensor-model-parallel-size", "2"], [([], False)]),
         ([*CKPT_MOE], ["--expert-model-parallel-size", "2"],
          [(["--expert-model-parallel-size", "2"], True), (["--expert-model-parallel-size", str(other_ep)], False)]),
     ]
+    runs = []  # (reference losses, full form saved at 2, resumed losses) of each case's first resume
     try:
         for flags, saved_layout, resumes in cases:
             with shared_tmpdir() as root, _full_form_at_save_and_load() as (saved, loaded):
                 ckpt = ["--global-batch-size", str(2 * world), "--save", root, "--save-interval", "2"]
-                reference, _ = _pretrain([*flags, *saved_layout, *ckpt])
+                reference, log = _pretrain([*flags, *saved_layout, *ckpt])
                 assert sorted(reference.losses) == [1, 2, 3, 4] and sorted(saved) == [2, 4], (reference, saved)
+                if "--async-save" in flags and dist.get_rank() == 0:
+                    assert "scheduled an asynchronous save of iteration       2" in log, log[-3000:]
+                    assert "successfully saved checkpoint from iteration       4" in log, log[-3000:]
                 for layout, bitwise in resumes:
                     what = f"{' '.join(saved_layout)} -> {' '.join(layout) or 'TP1'} ({len(flags)} flags)"
                     resumed, _ = _pretrain([*flags, *layout, "--global-batch-size", str(2 * world),
                                             "--load", os.path.join(root, "iter_0000002")])
                     assert sorted(resumed.losses) == [3, 4], (what, resumed.losses)
                     _assert_same_full_form(f"{what}: loaded vs saved", loaded.pop(), saved[2])
+                    if layout == resumes[0][0]:
+                        runs.append((reference.losses, saved[2], resumed.losses))
                     for it in (3, 4):
                         if bitwise:
                             assert resumed.losses[it] == reference.losses[it], (what, it, resumed.losses,
@@ -856,6 +866,10 @@ def megatron_core_checkpoints_resume_and_convert() -> None:
                             torch.testing.assert_close(
                                 torch.tensor(resumed.losses[it]), torch.tensor(reference.losses[it]),
                                 rtol=CONVERTED_RTOL, atol=0, msg=lambda m, w=what, i=it: f"{w} iteration {i}: {m}")
+        (sync_losses, sync_saved, sync_resumed), (async_losses, async_saved, async_resumed) = runs[:2]
+        assert async_losses == sync_losses, ("--async-save changed training", async_losses, sync_losses)
+        _assert_same_full_form("--async-save's checkpoint vs the synchronous one", async_saved, sync_saved)
+        assert async_resumed == sync_resumed, ("resumed from --async-save's checkpoint", async_resumed, sync_resumed)
     finally:
         parallel_state.destroy_model_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
