@@ -32,13 +32,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron_fsdp.checkpoint import (
     TRACKER_FILE,
+    AsyncSave,
     CheckpointCorruptError,
     CheckpointMismatchError,
     ModelParallel,
+    async_save_checkpoint,
     load_checkpoint,
     read_latest_iteration,
     save_checkpoint,
@@ -111,9 +114,35 @@ def model_parallel(args: argparse.Namespace, layout: ParallelLayout) -> ModelPar
     return ModelParallel(tp_size=layout.tp.size, tp_rank=layout.tp.rank, rename=rename)
 
 
+class _AsyncSaves:
+    """``--async-save``'s one save in flight and the gloo group its background writes use (made at the first)."""
+
+    pending: AsyncSave | None = None
+    io_group: dist.ProcessGroup | None = None
+
+
+def finalize_async_save(blocking: bool = True) -> None:
+    """Wait for (``blocking``) or collect (if done) the ``--async-save`` in flight, and report it as saved.
+
+    Its tracker file names the iteration only once its write committed; a write that
+    failed raises here. Called before each save, each iteration (not blocking) and at
+    the end of training, so the last save is complete before the run ends.
+    """
+    pending = _AsyncSaves.pending
+    if pending is None or not (blocking or pending.done()):
+        return
+    _AsyncSaves.pending = None
+    path = pending.wait()
+    print_rank_0(f"  successfully saved checkpoint from iteration {pending.iteration:7d} to {path} (--async-save)")
+
+
 def save(args: argparse.Namespace, state: RunState, module: nn.Module, optimizer: torch.optim.Optimizer,
          scheduler: OptimizerParamScheduler, layout: ParallelLayout) -> None:
-    """Save ``module`` (the user's, unwrapped), the optimizer and the run's position to ``--save``."""
+    """Save ``module`` (the user's, unwrapped), the optimizer and the run's position to ``--save``.
+
+    With ``--async-save`` the state is copied to host memory here and written by a background
+    thread while training goes on (``finalize_async_save`` waits for it).
+    """
     extra = {
         "scheduler": scheduler.state_dict(),
         "consumed_train_samples": state.consumed_train_samples,
@@ -126,6 +155,15 @@ def save(args: argparse.Namespace, state: RunState, module: nn.Module, optimizer
         tracker_states = gather_tracker_states(tracker)
         if tracker_states is not None:
             extra[key] = tracker_states
+    if args.async_save:
+        finalize_async_save()  # one save in flight: the previous one is complete before this one starts
+        if _AsyncSaves.io_group is None:  # every rank saves at the same iteration: they create it together
+            _AsyncSaves.io_group = dist.new_group(backend="gloo")
+        _AsyncSaves.pending = async_save_checkpoint(args.save, state.iteration, module, optimizer, extra=extra,
+                                                    io_group=_AsyncSaves.io_group,
+                                                    model_parallel=model_parallel(args, layout))
+        print_rank_0(f"  scheduled an asynchronous save of iteration {state.iteration:7d} to {args.save}")
+        return
     path = save_checkpoint(args.save, state.iteration, module, optimizer, extra=extra,
                            model_parallel=model_parallel(args, layout))
     print_rank_0(f"  successfully saved checkpoint from iteration {state.iteration:7d} to {path}")

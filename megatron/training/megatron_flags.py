@@ -272,9 +272,11 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
     "--use-checkpoint-opt_param-scheduler": ("effect", "on --load, the schedule's max/min lr, warmup, decay "
                                              "iterations and style (and WSD's) come from the checkpoint, not the "
                                              "flags (defined in arguments.py with --override-opt_param-scheduler)"),
-    "--async-save": ("stops", "checkpoints are written synchronously here (a sharded DCP save with a SHA-256 "
-                     "manifest); drop the flag"),
-    "--use-persistent-ckpt-worker": ("no-op", "it only serves --async-save, which stops"),
+    "--async-save": ("effect", "each save copies the state to host memory and a background thread of each rank "
+                     "writes it (over a gloo group of its own) while training goes on; the tracker file names the "
+                     "iteration once the write is complete; the next save and the end of training wait for it"),
+    "--use-persistent-ckpt-worker": ("no-op", "--async-save writes from a thread of each rank, which needs no "
+                                     "worker process to keep alive between saves"),
     "--dist-ckpt-strictness": ("no-op", "loads are strict here: a missing or unexpected key is an error naming it "
                                "(Megatron's flag tolerates TransformerEngine key renames, which cannot occur without "
                                "TransformerEngine)"),
@@ -413,7 +415,6 @@ def _check_stops(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
         ("--overlap-moe-expert-parallel-comm", args.overlap_moe_expert_parallel_comm),
         ("--delay-wgrad-compute", args.delay_wgrad_compute),
         ("--keep-fp8-transpose-cache", args.keep_fp8_transpose_cache),
-        ("--async-save", args.async_save),
     ):
         if on:
             fail(f"{flag} is not supported by this front-end: {FLAG_STATUS[flag][1]}")

@@ -341,6 +341,7 @@ class Trainer:
                     self._write_scalars({"lm loss validation ppl": math.exp(min(20.0, result.valid_losses[iteration]))})
             if config.save and config.save_interval and iteration % config.save_interval == 0:
                 self.save()
+            checkpointing.finalize_async_save(blocking=False)  # report a finished --async-save
             if config.exit_interval and iteration % config.exit_interval == 0:
                 print_rank_last(f"exiting program at iteration {iteration}")
                 result.exit_reason = "--exit-interval"
@@ -359,4 +360,5 @@ class Trainer:
         saved_last = config.save_interval and state.iteration % config.save_interval == 0
         if config.save and state.iteration > start_iteration and not saved_last:
             self.save()
+        checkpointing.finalize_async_save()  # --async-save: the last write is complete before the run ends
         return result

@@ -1,8 +1,8 @@
 """checkpoint: sharded save and load, full-state-dict export, and the checkpoint command line.
 
 Owns distributed checkpoints in the Megatron directory layout (``iterations``:
-``save_checkpoint``/``load_checkpoint``), sharded DCP I/O of a model and optimizer
-(``sharded_io``: ``save_state``/``load_state``), the state dicts it writes
+``save_checkpoint``/``load_checkpoint``, ``async_save_checkpoint`` in the background),
+sharded DCP I/O of a model and optimizer (``sharded_io``: ``save_state``/``load_state``), the state dicts it writes
 (``state_dicts``; tensor-parallel slices and expert renaming in ``model_parallel``),
 atomic directories and integrity manifests (``dirs``,
 ``integrity``), full state dicts exported one tensor at a time (``export``,
@@ -15,7 +15,9 @@ from megatron_fsdp.checkpoint.export import export_full_state_dict, import_full_
 from megatron_fsdp.checkpoint.integrity import CheckpointCorruptError, CheckpointIncompleteError
 from megatron_fsdp.checkpoint.iterations import (
     TRACKER_FILE,
+    AsyncSave,
     LoadedCheckpoint,
+    async_save_checkpoint,
     iteration_dir,
     load_checkpoint,
     read_latest_iteration,
@@ -27,11 +29,13 @@ from megatron_fsdp.checkpoint.state_dicts import CheckpointMismatchError
 
 __all__ = [
     "TRACKER_FILE",
+    "AsyncSave",
     "CheckpointCorruptError",
     "CheckpointIncompleteError",
     "CheckpointMismatchError",
     "LoadedCheckpoint",
     "ModelParallel",
+    "async_save_checkpoint",
     "export_full_state_dict",
     "import_full_state_dict",
     "iteration_dir",

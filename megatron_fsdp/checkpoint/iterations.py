@@ -17,9 +17,11 @@ without the layout, for any directory. Docs: docs/checkpointing.md.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +33,7 @@ from torch import nn
 
 from megatron_fsdp.checkpoint.dirs import resolve_committed
 from megatron_fsdp.checkpoint.integrity import CheckpointCorruptError, CheckpointIncompleteError, read_part
-from megatron_fsdp.checkpoint.model_parallel import ModelParallel
+from megatron_fsdp.checkpoint.model_parallel import ModelParallel, staged_copy
 from megatron_fsdp.checkpoint.sharded_io import (
     LoadResult,
     agree,
@@ -44,10 +46,12 @@ from megatron_fsdp.checkpoint.sharded_io import (
     state_entries,
     verify_checkpoint,
     write_file_atomically,
+    write_state,
 )
 from megatron_fsdp.checkpoint.state_dicts import CheckpointMismatchError
 
 __all__ = [
+    "AsyncSave",
     "CheckpointCorruptError",
     "CheckpointIncompleteError",
     "CheckpointMismatchError",
@@ -58,6 +62,7 @@ __all__ = [
     "load_checkpoint",
     "load_state",
     "read_latest_iteration",
+    "async_save_checkpoint",
     "save_checkpoint",
     "save_state",
     "state_entries",
@@ -145,30 +150,109 @@ def save_checkpoint(
     would silently stop being the ones resumed. Saving the tracker's own
     iteration again replaces that checkpoint safely.
     """
-    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-        raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
-    if extra is not None and not isinstance(extra, dict):
-        raise TypeError(f"extra must be a dict (or None), got {type(extra).__name__}")
-    run_on_first(lambda: check_tracker_not_ahead(save_dir, iteration), process_group)
-    final = iteration_dir(save_dir, iteration)
-    rank, world = group_rank(process_group), group_size(process_group)
-    rng = _rng_state()
+    save = _PreparedSave.of(save_dir, iteration, extra, process_group)
+    return save.write(state_entries(model, optimizer, model_parallel), process_group)
 
-    def add_files(tmp: str) -> None:
-        os.makedirs(os.path.join(tmp, RNG_DIR), exist_ok=True)
-        torch.save(rng, _rng_file(tmp, rank))
-        if rank == 0:
-            torch.save(dict(extra or {}), os.path.join(tmp, EXTRA_FILE))
-            info = {"format": CHECKPOINT_FORMAT, "iteration": iteration, "world_size": world,
-                    "torch_version": torch.__version__}
-            with open(os.path.join(tmp, INFO_FILE), "w") as f:
-                json.dump(info, f, indent=1)
 
-    path = save_state(final, model, optimizer, process_group=process_group, before_commit=add_files,
-                      model_parallel=model_parallel)
-    tracker = os.path.join(os.path.abspath(save_dir), TRACKER_FILE)
-    run_on_first(lambda: write_file_atomically(tracker, f"{iteration}\n".encode()), process_group)
-    return path
+@dataclass
+class _PreparedSave:
+    """What a save writes besides the model and optimizer, taken when it is called (RNG states, ``extra``)."""
+
+    save_dir: str
+    iteration: int
+    extra: dict
+    rng: dict[str, Any]
+
+    @classmethod
+    def of(cls, save_dir: str, iteration: int, extra: dict | None,
+           process_group: dist.ProcessGroup | None) -> _PreparedSave:
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+            raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
+        if extra is not None and not isinstance(extra, dict):
+            raise TypeError(f"extra must be a dict (or None), got {type(extra).__name__}")
+        run_on_first(lambda: check_tracker_not_ahead(save_dir, iteration), process_group)
+        return cls(save_dir, iteration, dict(extra or {}), _rng_state())
+
+    def write(self, entries: dict[str, Any], process_group: dist.ProcessGroup | None) -> str:
+        """Write the iteration's directory and then the tracker (collective over ``process_group``)."""
+        rank, world = group_rank(process_group), group_size(process_group)
+
+        def add_files(tmp: str) -> None:
+            os.makedirs(os.path.join(tmp, RNG_DIR), exist_ok=True)
+            torch.save(self.rng, _rng_file(tmp, rank))
+            if rank == 0:
+                torch.save(self.extra, os.path.join(tmp, EXTRA_FILE))
+                info = {"format": CHECKPOINT_FORMAT, "iteration": self.iteration, "world_size": world,
+                        "torch_version": torch.__version__}
+                with open(os.path.join(tmp, INFO_FILE), "w") as f:
+                    json.dump(info, f, indent=1)
+
+        path = write_state(iteration_dir(self.save_dir, self.iteration), entries, process_group=process_group,
+                           before_commit=add_files)
+        tracker = os.path.join(os.path.abspath(self.save_dir), TRACKER_FILE)
+        run_on_first(lambda: write_file_atomically(tracker, f"{self.iteration}\n".encode()), process_group)
+        return path
+
+
+class AsyncSave:
+    """A checkpoint being written by a background thread (``async_save_checkpoint``).
+
+    ``done()`` says whether the write has finished (committed or failed); ``wait()``
+    blocks until it has and returns the directory, or raises the write's error. The
+    tracker names the iteration only once its directory is committed, so a process
+    that ends before ``wait()`` leaves the previous checkpoint as the latest.
+    """
+
+    def __init__(self, save: _PreparedSave, entries: dict[str, Any], io_group: dist.ProcessGroup | None) -> None:
+        self.iteration = save.iteration
+        self._path: str | None = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._path = save.write(entries, io_group)
+            except BaseException as exc:  # handed to wait(), on the training thread
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name=f"checkpoint-iter-{save.iteration}", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> str:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._path is not None
+        return self._path
+
+
+def async_save_checkpoint(
+    save_dir: str,
+    iteration: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict | None = None,
+    *,
+    io_group: dist.ProcessGroup | None,
+    process_group: dist.ProcessGroup | None = None,
+    model_parallel: ModelParallel | None = None,
+) -> AsyncSave:
+    """``save_checkpoint`` written in the background: returns once this rank's state is copied to host memory.
+
+    Collective over ``process_group`` for the copy (the tracker check, the model's
+    reshard); the write itself (DCP files, manifest, commit, tracker) runs on a thread
+    whose collectives use ``io_group``: a group of the same ranks that nothing else
+    uses while the save runs (gloo; collectives of two threads on one group would
+    interleave). Training may change the model and optimizer as soon as this returns.
+    Call ``wait()`` on the result before the next save into ``save_dir`` and before
+    the process ends.
+    """
+    save = _PreparedSave.of(save_dir, iteration, extra, process_group)
+    save.extra = copy.deepcopy(save.extra)
+    entries = {k: staged_copy(v) for k, v in state_entries(model, optimizer, model_parallel).items()}
+    return AsyncSave(save, entries, io_group)
 
 
 def check_tracker_not_ahead(save_dir: str, iteration: int) -> None:

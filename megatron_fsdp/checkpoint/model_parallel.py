@@ -6,7 +6,10 @@ stores them as the tensors of the model *without* tensor parallelism: same names
 full (TP-1) shapes, and for fused weights the TP-1 layout. A fused weight is not
 one contiguous slice: a QKV weight ``[Q | K | V]`` holds ``[Q_t | K_t | V_t]`` on
 TP rank ``t`` and a SwiGLU ``fc1`` ``[gate_t | up_t]`` (``partition_segments``
-lists the segments' full sizes along ``partition_dim``). Each rank therefore
+lists the segments' full sizes along ``partition_dim``; megatron-core's equal
+segments are its ``partition_stride``, 2 for a gated ``fc1``; its QKV weight is
+``[Q_g | K_g | V_g]`` per query group ``g``, so whole groups are a contiguous
+slice: stride 1). Each rank therefore
 contributes one DCP chunk per segment it holds rows of, at that segment's global
 offsets, so a checkpoint saved at one TP size loads at any other (and at TP 1)
 and the full export is the TP-1 model's weights.
@@ -17,11 +20,13 @@ depend on the expert-parallel size.
 
 ``ChunkedTensor`` is the DCP value of such an entry: it has the full shape and
 holds views of this rank's real (FSDP-sharded) storage, so a save writes only
-those rows and a load reads straight into them.
+those rows and a load reads straight into them. ``staged_copy`` turns any entry
+into one holding host copies instead (a save that runs in the background).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,14 +82,24 @@ class TensorParallelSlice:
 
     @classmethod
     def of(cls, param: torch.Tensor, layout: ModelParallel, name: str) -> TensorParallelSlice:
-        """The slice of ``param`` (Megatron's ``partition_dim`` / ``partition_segments`` attributes)."""
+        """The slice of ``param`` (Megatron's ``partition_dim`` / ``partition_stride`` attributes, or ours,
+        ``partition_segments``, which names unequal segments and wins over the stride)."""
         dim = int(getattr(param, "partition_dim", 0))
         if not 0 <= dim < param.dim():
             raise ValueError(f"parameter {name}: partition_dim {dim} is not a dimension of its shape "
                              f"{tuple(param.shape)}")
         local = param.shape[dim]
         segments = getattr(param, "partition_segments", None)
-        segments = (local * layout.tp_size,) if segments is None else tuple(int(s) for s in segments)
+        if segments is None:
+            # megatron-core's stride S: the full tensor is S equal parts, each split over TP on its own (its
+            # _initialize_affine_weight_cpu takes pieces rank, rank + T, ...: a gated fc1's [gate_t | up_t])
+            stride = int(getattr(param, "partition_stride", 1))
+            if stride < 1 or local % stride:
+                raise ValueError(f"parameter {name}: partition_stride {stride} does not divide its dimension {dim} "
+                                 f"of local size {local}")
+            segments = (local * layout.tp_size // stride,) * stride
+        else:
+            segments = tuple(int(s) for s in segments)
         if any(s % layout.tp_size for s in segments) or sum(segments) != local * layout.tp_size:
             raise ValueError(
                 f"parameter {name}: partition_segments {segments} do not split its dimension {dim} of local size "
@@ -194,3 +209,23 @@ def full_shape(param: torch.Tensor, layout: ModelParallel, name: str) -> tuple[i
 def source_of(value: Any) -> Any:
     """The model's or optimizer's own value behind a checkpoint value."""
     return value.source if isinstance(value, ChunkedTensor) else value
+
+
+def staged_copy(value: Any) -> Any:
+    """A host copy of a checkpoint value, for a save written after training moved on (``async_save_checkpoint``).
+
+    Tensors are copied to CPU memory; a DTensor or ``ChunkedTensor`` becomes a ``ChunkedTensor``
+    of the same full shape holding copies of this rank's blocks at their offsets (DCP writes it
+    as it writes the original); anything else is deep-copied.
+    """
+    if isinstance(value, (ChunkedTensor, DTensor)):
+        if isinstance(value, ChunkedTensor):
+            blocks = value.chunks
+        else:
+            local, offsets = local_block(value)
+            blocks = [(offsets, local)] if local.numel() else []
+        chunks = [(offsets, block.detach().to("cpu", copy=True)) for offsets, block in blocks]
+        return ChunkedTensor(value.shape, chunks, torch.empty(0, dtype=value.dtype))
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    return copy.deepcopy(value)

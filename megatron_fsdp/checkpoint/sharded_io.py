@@ -273,8 +273,22 @@ def save_state(
     entries are then the unsplit model's (``model_parallel`` module), loadable at any
     other tensor-/expert-parallel size.
     """
+    return write_state(path, state_entries(model, optimizer, model_parallel), process_group=process_group,
+                       before_commit=before_commit)
+
+
+def write_state(
+    path: str,
+    entries: dict[str, Any],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    before_commit: Callable[[str], None] | None = None,
+) -> str:
+    """``save_state``'s write of ``entries`` (``state_entries``, or a staged copy of them), atomically at ``path``.
+
+    Collective over ``process_group``. Returns ``path`` (absolute).
+    """
     path = os.path.abspath(path)
-    entries = state_entries(model, optimizer, model_parallel)
     scratch: ScratchDir | None = None  # the group's first rank only
 
     def create() -> str:

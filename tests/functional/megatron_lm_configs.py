@@ -228,8 +228,6 @@ REPLACED: dict[str, tuple[str, str]] = {
     "--fp8-format": ("", "FP8 needs TransformerEngine on CUDA"),
     "--fp8-recipe": ("", "as --fp8-format"),
     "--fp8-param-gather": ("", "as --fp8-format"),
-    "--async-save": ("", "checkpoints are written synchronously here"),
-    "--use-persistent-ckpt-worker": ("", "serves --async-save"),
     "--overlap-moe-expert-parallel-comm": ("", "needs CUDA streams and pipeline scheduling"),
     "--delay-wgrad-compute": ("", "needs TransformerEngine"),
     "--calculate-per-token-loss": ("", "with --num-experts on our own GPT only: its MoE has no per-token loss "

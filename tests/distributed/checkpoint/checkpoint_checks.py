@@ -35,6 +35,7 @@ from megatron_fsdp.checkpoint import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
     CheckpointMismatchError,
+    async_save_checkpoint,
     iteration_dir,
     load_checkpoint,
     load_state,
@@ -530,6 +531,60 @@ def megatron_layout_save_resume_rng_and_extra() -> None:
         assert_state_equals_checkpoint(fresh, fresh_opt, path, "megatron layout")
         latest = load_checkpoint(root, setup.build(seed=6), load_optimizer=False, load_rng=False)
         assert latest.iteration == 12 and not latest.rng_restored
+
+
+@functools.cache
+def checkpoint_io_group() -> dist.ProcessGroup:
+    """A gloo group of all ranks for background saves alone (every rank must call: it creates a group)."""
+    return dist.new_group(backend="gloo")
+
+
+@check(SUITE, params={"kind": ["ours", "fsdp2"]})
+def async_save_writes_the_state_of_its_call(kind: str) -> None:
+    """``async_save_checkpoint`` copies the state when called: the model, moments and RNG changed right after it
+    returns (before its thread can have written anything) are not in the checkpoint, which loads to the same
+    tensors as a synchronous save of that state; the tracker names it once ``wait()`` returns; a write that fails
+    raises from ``wait()`` on every rank."""
+    rank, n = world()
+    setup = Setup(kind, sub_mesh(n) if kind == "ours" else None, kind=kind)
+    model = setup.build(seed=0)
+    opt = adamw(model)
+    train(model, opt, range(SAVE_STEPS), setup.dp)
+    with shared_tmpdir("ckpt_") as root:
+        sync_root, async_root = os.path.join(root, "sync"), os.path.join(root, "async")
+        torch.manual_seed(100 + rank)
+        save_checkpoint(sync_root, 10, model, opt, {"k": [1]})
+        torch.manual_seed(100 + rank)
+        pending = async_save_checkpoint(async_root, 10, model, opt, {"k": [1]}, io_group=checkpoint_io_group())
+        after_save = torch.rand(3)
+        with torch.no_grad():  # in place, at once: the parameters' and moments' own storage
+            for p in model.parameters():
+                p.add_(1.0)
+            for state in opt.state.values():
+                state["exp_avg"].add_(1.0)
+        train(model, opt, range(SAVE_STEPS, SAVE_STEPS + 2), setup.dp)
+        path = pending.wait()
+        assert pending.done() and path == os.path.abspath(iteration_dir(async_root, 10)), path
+        with open(os.path.join(async_root, TRACKER_FILE)) as f:
+            assert f.read().strip() == "10"
+        loaded = {}
+        for where in (sync_root, async_root):
+            fresh = setup.build(seed=5)
+            fresh_opt = adamw(fresh, lr=0.3)
+            result = load_checkpoint(where, fresh, fresh_opt)
+            assert result.rng_restored and result.extra == {"k": [1]}, result.extra
+            assert torch.equal(torch.rand(3), after_save), f"{where}: the RNG state of the call"
+            assert_state_equals_checkpoint(fresh, fresh_opt, result.path, f"{kind} {where}")
+            loaded[where] = [full(p).detach().clone() for p in fresh.parameters()]
+            loaded[where] += [full(s[k]).clone() for s in fresh_opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        for got, want in zip(loaded[async_root], loaded[sync_root], strict=True):
+            assert torch.equal(got, want), f"{kind}: the async checkpoint differs from the synchronous one"
+        blocker = os.path.join(root, "a_file")  # a save directory that is a file: the background write fails
+        if rank == 0:
+            open(blocker, "w").close()
+        dist.barrier()
+        failing = async_save_checkpoint(blocker, 11, model, opt, io_group=checkpoint_io_group())
+        expect_error(OSError, "", failing.wait)
 
 
 @check(SUITE)

@@ -889,3 +889,145 @@ def deepseek_proxy_builds_multi_latent_attention() -> None:
     assert attention.linear_q_up_proj.weight.shape[0] == 4 * (8 + 4), "query heads: qk_head_dim + qk_pos_emb_head_dim"
     losses = [run.losses[i] for i in sorted(run.losses)]
     assert len(losses) == 16 and losses[-1] < losses[0] - 0.3, losses
+
+
+# fsdp_dtensor checkpoints of megatron-core's GPTModel: a dense model whose TP-sharded weights include both fused
+# layouts (grouped-query QKV, [Q_g | K_g | V_g] per query group; SwiGLU fc1 with bias, [gate_t | up_t] per TP rank,
+# megatron-core's partition_stride 2) and an untied output layer; the vocabulary padded to 64 x TP = 128 rows at
+# TP1 and TP2 alike. The MoE model: 4 SwiGLU experts (local_experts.N under EP), shared experts, expert bias.
+CKPT_DENSE = ["--mock-data", "--vocab-size", "120", "--make-vocab-size-divisible-by", "64", "--num-layers", "2",
+              "--hidden-size", "16", "--ffn-hidden-size", "24", "--num-attention-heads", "4",
+              "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--untie-embeddings-and-output-weights",
+              "--seq-length", "12", "--micro-batch-size", "2", "--lr", "1e-2", "--train-iters", "4",
+              "--eval-iters", "0", "--model-provider", "mcore", "--use-megatron-fsdp",
+              "--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format", "fsdp_dtensor"]
+CKPT_MOE = [*CKPT_DENSE, "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2",
+            "--moe-ffn-hidden-size", "8", "--moe-aux-loss-coeff", "1e-2", "--moe-shared-expert-intermediate-size", "8",
+            "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+# Another TP or EP size computes the same model with TP-split matmuls / other expert groupings, which round
+# differently: DESIGN's bar for another reduction order. The same layout resumes bitwise.
+CONVERTED_RTOL = 1e-5
+
+
+def _full_form(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter (and router expert bias) of megatron-core's model as the TP1, EP1 model holds it.
+
+    Written from megatron-core's own conventions, not the checkpoint code's: a TP-sharded
+    parameter is all-gathered over megatron-core's TP group and reassembled by its
+    ``partition_stride`` (``_initialize_affine_weight_cpu`` gives rank t pieces t, t + T, ...
+    of the full tensor cut in stride x T pieces); an expert's parameters take the global index
+    of megatron-core's ``MoELayer.local_expert_indices`` and are all-gathered over the EP group.
+    """
+    from torch.distributed.tensor import DTensor
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    out = {}
+    for name, param in module.named_parameters():
+        value = (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+        if tp > 1 and getattr(param, "tensor_model_parallel", False):
+            parts = [torch.empty_like(value) for _ in range(tp)]
+            dist.all_gather(parts, value.contiguous(), group=tp_group)
+            dim, stride = param.partition_dim, param.partition_stride
+            value = torch.cat([part.chunk(stride, dim)[s] for s in range(stride) for part in parts], dim)
+        out[name] = value
+    out.update({n: b.detach().clone() for n, b in module.named_buffers() if n.endswith("expert_bias")})
+    experts = {}
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, MoELayer):
+            for local, global_index in enumerate(sub.local_expert_indices):
+                old = f"{prefix}.experts.local_experts.{local}."
+                for name in [n for n in out if n.startswith(old)]:
+                    experts[f"{prefix}.experts.local_experts.{global_index}.{name[len(old):]}"] = out.pop(name)
+    if experts and parallel_state.get_expert_model_parallel_world_size() > 1:
+        gathered = [None] * parallel_state.get_expert_model_parallel_world_size()
+        dist.all_gather_object(gathered, experts, group=parallel_state.get_expert_model_parallel_group())
+        experts = {k: v for part in gathered for k, v in part.items()}
+    out.update(experts)
+    return out
+
+
+@contextlib.contextmanager
+def _full_form_at_save_and_load():
+    """The model's full form right after each ``--save`` (by iteration) and each ``--load`` (in order)."""
+    from megatron.training import checkpointing
+
+    saved, loaded = {}, []
+    save, load = checkpointing.save, checkpointing.load
+
+    def saving(args, state, module, *rest):
+        save(args, state, module, *rest)
+        saved[state.iteration] = _full_form(module)
+
+    def loading(args, module, *rest):
+        state = load(args, module, *rest)
+        loaded.append(_full_form(module))
+        return state
+
+    checkpointing.save, checkpointing.load = saving, loading
+    try:
+        yield saved, loaded
+    finally:
+        checkpointing.save, checkpointing.load = save, load
+
+
+def _assert_same_full_form(what: str, got: dict, want: dict) -> None:
+    assert got.keys() == want.keys(), f"{what}: {sorted(set(got) ^ set(want))}"
+    for name, value in got.items():
+        diff = (value - want[name]).abs().max().item() if value.shape == want[name].shape else value.shape
+        assert value.shape == want[name].shape and torch.equal(value, want[name]), f"{what}: {name} differs: {diff}"
+
+
+@check(SUITE)
+def megatron_core_checkpoints_resume_and_convert() -> None:
+    """fsdp_dtensor checkpoints of megatron-core's GPTModel through pretrain_gpt.py, saved at 2 of 4 iterations:
+    resumed at the same layout (TP2, and MoE at EP2; dropout on, Megatron's default flags) the run continues
+    bitwise, with --async-save too (the same training, checkpoint and resumed losses as a synchronous save);
+    resumed at another TP, EP and data-parallel size (dropout off), the loaded parameters equal the saved ones
+    gathered to full form bitwise and the losses continue the saved run's within ``CONVERTED_RTOL``."""
+    world = dist.get_world_size()
+    other_ep = 1 if world == 2 else 4  # EP2 x EDP1 -> EP1 x EDP2 at 2 ranks; EP2 x EDP2 -> EP4 x EDP1 at 4
+    # (model flags, saved layout, [(resumed layout, bitwise?)]): TP2 x DP(world/2) -> TP1 x DP(world)
+    cases = [
+        ([*CKPT_DENSE], ["--tensor-model-parallel-size", "2"], [(["--tensor-model-parallel-size", "2"], True)]),
+        # the same run with --async-save: a background write of the state copied at the save (compared below)
+        ([*CKPT_DENSE, "--async-save"], ["--tensor-model-parallel-size", "2"],
+         [(["--tensor-model-parallel-size", "2"], True)]),
+        ([*CKPT_DENSE, *NO_DROPOUT], ["--tensor-model-parallel-size", "2"], [([], False)]),
+        ([*CKPT_MOE], ["--expert-model-parallel-size", "2"],
+         [(["--expert-model-parallel-size", "2"], True), (["--expert-model-parallel-size", str(other_ep)], False)]),
+    ]
+    runs = []  # (reference losses, full form saved at 2, resumed losses) of each case's first resume
+    try:
+        for flags, saved_layout, resumes in cases:
+            with shared_tmpdir() as root, _full_form_at_save_and_load() as (saved, loaded):
+                ckpt = ["--global-batch-size", str(2 * world), "--save", root, "--save-interval", "2"]
+                reference, log = _pretrain([*flags, *saved_layout, *ckpt])
+                assert sorted(reference.losses) == [1, 2, 3, 4] and sorted(saved) == [2, 4], (reference, saved)
+                if "--async-save" in flags and dist.get_rank() == 0:
+                    assert "scheduled an asynchronous save of iteration       2" in log, log[-3000:]
+                    assert "successfully saved checkpoint from iteration       4" in log, log[-3000:]
+                for layout, bitwise in resumes:
+                    what = f"{' '.join(saved_layout)} -> {' '.join(layout) or 'TP1'} ({len(flags)} flags)"
+                    resumed, _ = _pretrain([*flags, *layout, "--global-batch-size", str(2 * world),
+                                            "--load", os.path.join(root, "iter_0000002")])
+                    assert sorted(resumed.losses) == [3, 4], (what, resumed.losses)
+                    _assert_same_full_form(f"{what}: loaded vs saved", loaded.pop(), saved[2])
+                    if layout == resumes[0][0]:
+                        runs.append((reference.losses, saved[2], resumed.losses))
+                    for it in (3, 4):
+                        if bitwise:
+                            assert resumed.losses[it] == reference.losses[it], (what, it, resumed.losses,
+                                                                                 reference.losses)
+                        else:
+                            torch.testing.assert_close(
+                                torch.tensor(resumed.losses[it]), torch.tensor(reference.losses[it]),
+                                rtol=CONVERTED_RTOL, atol=0, msg=lambda m, w=what, i=it: f"{w} iteration {i}: {m}")
+        (sync_losses, sync_saved, sync_resumed), (async_losses, async_saved, async_resumed) = runs[:2]
+        assert async_losses == sync_losses, ("--async-save changed training", async_losses, sync_losses)
+        _assert_same_full_form("--async-save's checkpoint vs the synchronous one", async_saved, sync_saved)
+        assert async_resumed == sync_resumed, ("resumed from --async-save's checkpoint", async_resumed, sync_resumed)
+    finally:
+        parallel_state.destroy_model_parallel()
+        initialize_mcore_parallel(model_args(), seed=1)

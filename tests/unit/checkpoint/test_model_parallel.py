@@ -20,6 +20,7 @@ from megatron_fsdp.checkpoint.model_parallel import (
     TensorParallelSlice,
     checkpoint_value,
     full_shape,
+    staged_copy,
 )
 from megatron_fsdp.parallel.tp_group import TensorParallel, set_tensor_model_parallel_attributes, take_partition
 
@@ -118,3 +119,43 @@ def test_rename():
     layout = ModelParallel(rename=lambda fqn: fqn.replace("local_experts.0", "local_experts.2"))
     assert layout.name("mlp.local_experts.0.fc1_weight") == "mlp.local_experts.2.fc1_weight"
     assert ModelParallel().name("a.b") == "a.b"
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_megatron_core_partition_stride_is_equal_segments(tp_size):
+    """megatron-core's gated fc1 (``partition_stride`` 2, no ``partition_segments``): rank t holds pieces t and
+    t + T of the full tensor cut in 2 x T pieces (its ``_initialize_affine_weight_cpu``), [gate_t | up_t]."""
+    full = torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3)  # [gate (8 rows) | up (8 rows)]
+    pieces = full.split(16 // (2 * tp_size))
+    rebuilt = torch.full_like(full, -1.0)
+    for tp_rank in range(tp_size):
+        param = torch.nn.Parameter(torch.cat(pieces[tp_rank::tp_size]))
+        param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 2
+        layout = ModelParallel(tp_size=tp_size, tp_rank=tp_rank)
+        tp_slice = TensorParallelSlice.of(param, layout, "fc1")
+        assert tp_slice.segments == (8, 8) and full_shape(param, layout, "fc1") == (16, 3)
+        for where, view in tp_slice.chunks(param.detach(), (0, 0)):
+            rebuilt[where[0]:where[0] + view.shape[0]] = view
+    assert torch.equal(rebuilt, full)
+    odd = torch.nn.Parameter(torch.ones(3, 2))
+    odd.tensor_model_parallel, odd.partition_dim, odd.partition_stride = True, 0, 2
+    with pytest.raises(ValueError, match="parameter fc1: partition_stride 2 does not divide"):
+        TensorParallelSlice.of(odd, ModelParallel(tp_size=2), "fc1")
+
+
+def test_staged_copy_holds_copies_at_the_same_offsets():
+    full = torch.arange(16.0).reshape(8, 2)
+    param = torch.nn.Parameter(take_partition(full, TensorParallel(None, 2, 1), 0, (4, 2, 2)))
+    set_tensor_model_parallel_attributes(param, True, 0, segments=(4, 2, 2))
+    value = checkpoint_value(param.detach(), param, ModelParallel(tp_size=2, tp_rank=1), "qkv")
+    entries = {"w": value, "step": torch.tensor(3.0), "groups": [{"lr": 0.1}]}  # a flat dict of entries
+    staged = {k: staged_copy(v) for k, v in entries.items()}
+    copy = staged["w"]
+    assert isinstance(copy, ChunkedTensor) and copy.shape == value.shape and copy.dtype == value.dtype
+    assert [o for o, _ in copy.chunks] == [o for o, _ in value.chunks]
+    with torch.no_grad():
+        param.add_(100.0)  # training moves on: the copy keeps the values of the call
+    for (_, got), (offsets, now) in zip(copy.chunks, value.chunks, strict=True):
+        assert torch.equal(got + 100.0, now), offsets
+        assert got.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
+    assert staged["step"].item() == 3.0 and staged["groups"] == [{"lr": 0.1}]

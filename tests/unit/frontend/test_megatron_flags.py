@@ -98,7 +98,6 @@ def _validated(argv: list[str], world: int = 2):
      "--vocab-file is read only by --tokenizer-type GPT2BPETokenizer, not by --tokenizer-type ByteTokenizer"),
     (["--fp8-format", "e4m3"], "--fp8-format is not supported by this front-end: FP8 needs TransformerEngine"),
     (["--fp8-param-gather"], "--fp8-param-gather is not supported"),
-    (["--async-save"], "--async-save is not supported by this front-end: checkpoints are written synchronously"),
     (["--use-torch-fsdp2", "--use-megatron-fsdp"], "--use-torch-fsdp2 cannot be combined with --use-megatron-fsdp"),
     (["--use-torch-fsdp2", "--use-distributed-optimizer"],
      "--use-torch-fsdp2 cannot be combined with --use-distributed-optimizer"),
