@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -47,6 +48,9 @@ from typing import Any, TypeVar
 import torch
 
 _lent: list[torch.Tensor] = []
+# Collectives are also issued from other threads (a background checkpoint write): pruning rebuilds the
+# list, which must not lose an alias another thread appends meanwhile.
+_lent_lock = threading.Lock()
 R = TypeVar("R")
 
 # The longest the exit handler waits for lent tensors to be released: a backend thread lets go of a
@@ -63,7 +67,8 @@ def on_aliases(collective: Callable[..., R], *tensors: torch.Tensor, **kwargs: A
     aliases = [t.detach() for t in tensors]
     result = collective(*aliases, **kwargs)
     return_lent()
-    _lent.extend(aliases)
+    with _lent_lock:
+        _lent.extend(aliases)
     return result
 
 
@@ -75,13 +80,15 @@ def _held_elsewhere(alias: torch.Tensor) -> bool:
 def return_lent() -> None:
     """Drop the aliases that no work or backend thread references any more."""
     if _lent:
-        _lent[:] = [t for t in _lent if _held_elsewhere(t)]
+        with _lent_lock:
+            _lent[:] = [t for t in _lent if _held_elsewhere(t)]
 
 
 def lent_aliases() -> list[torch.Tensor]:
     """The aliases some work or backend thread still references (none once every issued work was released)."""
     return_lent()
-    return list(_lent)
+    with _lent_lock:
+        return list(_lent)
 
 
 GLOO_WORKER_NAME = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
