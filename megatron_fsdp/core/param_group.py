@@ -159,11 +159,11 @@ class ParamGroup(WeightPath, GradientPath):
         # MixedPrecisionPolicy(gather_dtype=float8): the gather moves float8 of the main weights, dequantized
         # into the compute buffer (core/quantized_gather.py); parameters with hooks gather what those decide.
         self.quantized: QuantizedGather | None = None
-        if (self.gathers and policy.gather_dtype is not None and self.extension is None
+        if (self.gathers and policy.quantized_gather_dtype is not None and self.extension is None
                 and self.compute_dtype.is_floating_point):
-            self._check_quantized_supported(policy.gather_dtype)
-            self.quantized = QuantizedGather(self.params, policy.gather_dtype, self.compute_dtype, device,
-                                             self.process_group)
+            self._check_quantized_supported(policy.quantized_gather_dtype)
+            self.quantized = QuantizedGather(self.params, policy.quantized_gather_dtype, self.compute_dtype, device,
+                                             self.process_group, block_scaled=policy.gather_format == "mxfp8")
         self.unsharded = (
             FlatBuffer(self.layout.total_numel, self.compute_dtype, device, allocated=True, pool=pool)
             if self.gathers and self.extension is None
