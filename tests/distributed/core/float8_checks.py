@@ -141,6 +141,8 @@ def float8_gather_refuses_what_it_does_not_support() -> None:
                  gather_format="mxfp4")
     expect_error(ValueError, ("gather_format='mxfp8'", "gather_dtype"), MixedPrecisionPolicy,
                  gather_format="mxfp8", gather_dtype=torch.float8_e5m2)
+    expect_error(NotImplementedError, ("gather_format='mxfp8'", "CPU offload"), fully_shard, blocks()[0],
+                 mp_policy=MXFP8, offload_policy=CPUOffloadPolicy())
     dist.barrier()
 
 
