@@ -22,6 +22,11 @@ Roles (Megatron-FSDP's names in brackets, FSDP2's in parentheses):
   parameter), cast, gathered and dequantized to ``param_dtype`` (``core/quantized_gather.py``);
   the main weights stay as they are. ``None``: the gather moves ``param_dtype``. (FSDP2: none;
   torchao's float8 weights do it through tensor-subclass hooks, which work here too.)
+- ``gather_format``: ``"mxfp8"`` makes that gather block-scaled instead: e4m3 elements with one
+  power-of-two ``float8_e8m0fnu`` scale per 32 consecutive elements along the last dim (the OCP MX
+  layout), quantized locally and the scales gathered beside the payload; parameters that do not cut
+  into whole 32-element blocks on every rank take the per-tensor e4m3 path. ``gather_dtype`` may be
+  left ``None`` or ``torch.float8_e4m3fn`` with it. ``None``: per-tensor (``gather_dtype``) or none.
 
 ``resolve_mp_policy`` accepts ours or PyTorch's
 ``torch.distributed.fsdp.MixedPrecisionPolicy`` and returns ours (``from_fsdp2``).
@@ -38,6 +43,7 @@ from torch.utils._pytree import tree_map
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+GATHER_FORMATS = ("mxfp8",)
 # PyTorch's FSDP2 policy (torch >= 2.4); None where this torch has no FSDP2.
 TorchMixedPrecisionPolicy: type | None = getattr(torch_fsdp, "MixedPrecisionPolicy", None)
 
@@ -51,8 +57,19 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
     output_dtype: torch.dtype | None = None
     gather_dtype: torch.dtype | None = None
+    gather_format: str | None = None
 
     def __post_init__(self) -> None:
+        if self.gather_format is not None and self.gather_format not in GATHER_FORMATS:
+            raise ValueError(
+                f"MixedPrecisionPolicy.gather_format={self.gather_format!r} is not a gather format "
+                f"(valid: None, {', '.join(repr(f) for f in GATHER_FORMATS)})"
+            )
+        if self.gather_format == "mxfp8" and self.gather_dtype not in (None, torch.float8_e4m3fn):
+            raise ValueError(
+                f"MixedPrecisionPolicy.gather_format='mxfp8' has float8_e4m3fn elements; gather_dtype="
+                f"{self.gather_dtype} contradicts it (leave it None or torch.float8_e4m3fn)"
+            )
         if self.gather_dtype is not None and self.gather_dtype not in _FLOAT8:
             valid = ", ".join(str(d) for d in _FLOAT8)
             raise ValueError(f"MixedPrecisionPolicy.gather_dtype={self.gather_dtype!r} is not a float8 dtype ({valid})")
@@ -71,6 +88,13 @@ class MixedPrecisionPolicy:
                 f"MixedPrecisionPolicy: main_params_dtype={main} is less precise than param_dtype={compute}; "
                 "the optimizer's main weights must hold at least the compute weights' precision"
             )
+
+    @property
+    def quantized_gather_dtype(self) -> torch.dtype | None:
+        """The float8 dtype the weight all-gather moves (``gather_dtype``, e4m3 under ``"mxfp8"``), or None."""
+        if self.gather_format == "mxfp8":
+            return torch.float8_e4m3fn
+        return self.gather_dtype
 
     @classmethod
     def from_fsdp2(cls, policy: Any) -> MixedPrecisionPolicy:

@@ -156,14 +156,17 @@ class ParamGroup(WeightPath, GradientPath):
             self._check_extension_supported()
             self.extension = GatherExtension(
                 self.params, self.sharded_params, self.layout, dp, policy, self.compute_dtype, device)
-        # MixedPrecisionPolicy(gather_dtype=float8): the gather moves float8 of the main weights, dequantized
-        # into the compute buffer (core/quantized_gather.py); parameters with hooks gather what those decide.
+        # MixedPrecisionPolicy(gather_dtype=float8 or gather_format="mxfp8"): the gather moves float8 of the
+        # main weights, dequantized into the compute buffer (core/quantized_gather.py); parameters with
+        # hooks gather what those decide.
         self.quantized: QuantizedGather | None = None
-        if (self.gathers and policy.gather_dtype is not None and self.extension is None
+        if (self.gathers and policy.quantized_gather_dtype is not None and self.extension is None
                 and self.compute_dtype.is_floating_point):
-            self._check_quantized_supported(policy.gather_dtype)
-            self.quantized = QuantizedGather(self.params, policy.gather_dtype, self.compute_dtype, device,
-                                             self.process_group)
+            self._check_quantized_supported(
+                f"gather_format={policy.gather_format!r}" if policy.gather_format is not None
+                else f"gather_dtype={policy.gather_dtype}")
+            self.quantized = QuantizedGather(self.params, policy.quantized_gather_dtype, self.compute_dtype, device,
+                                             self.process_group, block_scaled=policy.gather_format == "mxfp8")
         self.unsharded = (
             FlatBuffer(self.layout.total_numel, self.compute_dtype, device, allocated=True, pool=pool)
             if self.gathers and self.extension is None
@@ -330,12 +333,13 @@ class ParamGroup(WeightPath, GradientPath):
                     f"are not supported with {what}"
                 )
 
-    def _check_quantized_supported(self, dtype: torch.dtype) -> None:
-        """Refuse what the float8 gather (``gather_dtype``) is not built for, naming it."""
+    def _check_quantized_supported(self, option: str) -> None:
+        """Refuse what the float8 gather (``option``: ``gather_dtype=...`` or ``gather_format=...``) is not
+        built for, naming it."""
         for refused, what in self._layouts_custom_gathers_lack():
             if refused:
                 raise NotImplementedError(
-                    f"fully_shard: MixedPrecisionPolicy(gather_dtype={dtype}) is not supported with {what} "
+                    f"fully_shard: MixedPrecisionPolicy({option}) is not supported with {what} "
                     f"(parameters {[r.fqn for r in self.refs]})"
                 )
 

@@ -31,9 +31,11 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training, preco
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_training_tensor import Float8TrainingTensor
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+from torchao.prototype.mx_formats.mx_tensor import MXTensor
 
 from megatron_fsdp import MixedPrecisionPolicy, comm_stats, fully_shard
 from megatron_fsdp.checkpoint.export import read_full_tensors
+from megatron_fsdp.core.quantized_gather import BLOCK_SCALE_KIND, SCALE_KIND, dequantize, quantization_scale, quantize
 from tests.distributed.core.engine_checks import expect_error, world
 from tests.distributed.harness import check, device_type, shared_tmpdir
 
@@ -135,7 +137,98 @@ def float8_gather_refuses_what_it_does_not_support() -> None:
     model = float8(blocks())
     expect_error(NotImplementedError, ("all-gather hooks", "WeightWithDynamicFloat8CastTensor", "CPU offload"),
                  fully_shard, model[0], offload_policy=CPUOffloadPolicy())
+    expect_error(ValueError, ("gather_format='mxfp4'", "valid", "'mxfp8'"), MixedPrecisionPolicy,
+                 gather_format="mxfp4")
+    expect_error(ValueError, ("gather_format='mxfp8'", "gather_dtype"), MixedPrecisionPolicy,
+                 gather_format="mxfp8", gather_dtype=torch.float8_e5m2)
+    expect_error(NotImplementedError, ("gather_format='mxfp8'", "CPU offload"), fully_shard, blocks()[0],
+                 mp_policy=MXFP8, offload_policy=CPUOffloadPolicy())
     dist.barrier()
+
+
+# -- MXFP8 gathers: MixedPrecisionPolicy(gather_format="mxfp8") -------------------------
+MXFP8 = MixedPrecisionPolicy(gather_format="mxfp8")
+# The loss against fp32's, relative. First step (the same main weights: the quantization alone):
+# 2**-5, a quarter of MXFP8's worst per-weight error (1/8, a block maximum saturated to 448).
+# All STEPS: 2**-3, the per-weight worst case, since AdamW's steps carry the difference on.
+MX_LOSS_RTOL_FIRST, MX_LOSS_RTOL = 2.0**-5, 2.0**-3
+
+
+def mx_blocks() -> nn.Sequential:
+    """``blocks()`` and a unit whose second weight (64, 40) and first bias (40) have no 32-element blocks."""
+    model = blocks()
+    torch.manual_seed(1)
+    model.append(nn.Sequential(nn.Linear(64, 40), nn.ReLU(), nn.Linear(40, 64)))
+    return model
+
+
+def mx_reference(full: torch.Tensor) -> torch.Tensor:
+    """torchao's MXFP8 round trip of a whole weight (block 32 along the last dim, FLOOR scales: OCP's)."""
+    return MXTensor.to_mx(full.contiguous(), torch.float8_e4m3fn, block_size=32).dequantize(full.dtype)
+
+
+def per_tensor_reference(full: torch.Tensor) -> torch.Tensor:
+    scale = quantization_scale(full.abs().max(), torch.float8_e4m3fn)
+    return dequantize(quantize(full, scale, torch.float8_e4m3fn), scale, full.dtype)
+
+
+@check(SUITE)
+def mxfp8_gather_matches_torchao_trains_and_moves_a_quarter_plus_scales() -> None:
+    """gather_format="mxfp8": every weight a module computes with equals, bitwise, torchao's
+    ``MXTensor.to_mx(full, e4m3, 32).dequantize()`` of the fp32 main weight (the 2-D ones whose last dim
+    is a multiple of 32; the (64, 40) weight and 40-bias take the per-tensor float8 path, bitwise
+    too; a 1-D bias of 64 or 128 is MXFP8 where its shard boundaries fall on blocks); training's loss
+    stays within ``MX_LOSS_RTOL_FIRST`` of fp32's at the first step and ``MX_LOSS_RTOL`` after; the
+    all-gather moves 1 byte per element plus 1 scale byte per 32 (1/4 + 1/128 of fp32's bytes) with
+    no amax all-reduce when every parameter is block-scaled."""
+    rank, n = world()
+    losses = {}
+    for policy in (None, MXFP8):
+        model = shard(mx_blocks(), mp_policy=policy)
+        main = {(id(m), k): p for m in model.modules() for k, p in m._parameters.items() if p is not None}
+        seen = []
+        for module in model.modules():
+            if module._parameters:
+                module.register_forward_pre_hook(lambda m, _a, seen=seen: seen.extend(
+                    (m, k, p.detach().clone()) for k, p in m._parameters.items() if p is not None))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        losses[policy] = []
+        for step in range(STEPS):
+            seen.clear()
+            loss = model(batch(step, rank, n)).square().mean()
+            loss.backward()
+            if policy is MXFP8:  # before the step changes the main weights
+                kinds = set()
+                for module, name, value in seen:
+                    full = main[(id(module), name)].full_tensor()
+                    mx = full.shape[-1] % 32 == 0 and torch.equal(value, mx_reference(full))
+                    assert mx or torch.equal(value, per_tensor_reference(full)), f"step {step} {name} {full.shape}"
+                    kinds.add((tuple(full.shape), mx))
+                assert {((128, 64), True), ((64, 128), True), ((40, 64), True), ((64, 40), False), ((40,), False)
+                        } <= kinds, kinds
+            opt.step()
+            opt.zero_grad()
+            losses[policy].append(loss.detach())
+    ref, got = torch.stack(losses[None]), torch.stack(losses[MXFP8])
+    assert torch.isfinite(got).all() and ((got - ref).abs() <= MX_LOSS_RTOL * ref.abs()).all(), (got, ref)
+    assert (got[0] - ref[0]).abs() <= MX_LOSS_RTOL_FIRST * ref[0].abs(), (got, ref)
+    numel = sum(p.numel() for p in blocks(bias=False).parameters())  # every weight block-scaled
+    gathered = {}
+    for name, policy in (("fp32", None), ("mxfp8", MXFP8)):
+        model = shard(blocks(bias=False), mp_policy=policy)
+        comm_stats.reset()
+        model(batch(0, rank, n)).square().mean().backward()
+        gathered[name] = dict(comm_stats.bytes)
+    mx = gathered["mxfp8"]
+    assert mx["all_gather"] == 2 * numel and mx[BLOCK_SCALE_KIND] == 2 * numel // 32, mx  # forward, backward
+    assert mx.get(SCALE_KIND, 0) == 0, mx  # block scales are local: no amax all-reduce
+    ratio = (mx["all_gather"] + mx[BLOCK_SCALE_KIND]) / gathered["fp32"]["all_gather"]
+    assert ratio == 1 / 4 + 1 / 128, ratio
+    if rank == 0:
+        rel = ((got - ref).abs() / ref.abs()).tolist()
+        print(f"mxfp8 gather, n={n}: bytes/step {gathered['fp32']['all_gather']} (fp32) -> {mx['all_gather']} "
+              f"+ {mx[BLOCK_SCALE_KIND]} scales = {ratio} of fp32; relative loss difference per step "
+              f"{[f'{r:.1e}' for r in rel]}")
 
 
 @check(SUITE, world_sizes=(2,))
