@@ -199,8 +199,10 @@ class AsyncSave:
 
     ``done()`` says whether the write has finished (committed or failed); ``wait()``
     blocks until it has and returns the directory, or raises the write's error. The
-    tracker names the iteration only once its directory is committed, so a process
-    that ends before ``wait()`` leaves the previous checkpoint as the latest.
+    tracker names the iteration only once its directory is committed. The thread is not a
+    daemon: a process that ends without ``wait()`` still finishes the write before it exits
+    (Python joins such threads first), rather than losing the save or, with the thread inside
+    a gloo collective while the interpreter finalizes, aborting (comm/lending.py).
     """
 
     def __init__(self, save: _PreparedSave, entries: dict[str, Any], io_group: dist.ProcessGroup | None) -> None:
@@ -214,7 +216,7 @@ class AsyncSave:
             except BaseException as exc:  # handed to wait(), on the training thread
                 self._error = exc
 
-        self._thread = threading.Thread(target=run, name=f"checkpoint-iter-{save.iteration}", daemon=True)
+        self._thread = threading.Thread(target=run, name=f"checkpoint-iter-{save.iteration}", daemon=False)
         self._thread.start()
 
     def done(self) -> bool:
