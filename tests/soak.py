@@ -8,8 +8,8 @@ the chunk it frees and a corrupted heap aborts at once (SIGABRT, exit 134) inste
 later and elsewhere. ``MALLOC_PERTURB_`` fills freed memory, so a read of freed
 memory gives wrong numbers (a failing check) instead of plausible ones.
 
-``round_trip_ours``, ``round_trip_fsdp2`` and ``round_trip_all`` (both, then our collectives on
-temporaries) are not suites but a program per rank
+``round_trip_ours``, ``round_trip_fsdp2`` and ``round_trip_all`` (both, our collectives on
+temporaries, a background save never waited for) are not suites but a program per rank
 (``tests/distributed/checkpoint/round_trip_program.py``): DCP checkpoints moved between
 our models, or between ours and FSDP2's, run to the interpreter's exit without the
 harness's clean-up; a rank that exits non-zero (an abort at teardown included) is a crash.

@@ -17,10 +17,12 @@ without the layout, for any directory. Docs: docs/checkpointing.md.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import json
 import os
 import random
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -202,7 +204,9 @@ class AsyncSave:
     tracker names the iteration only once its directory is committed. The thread is not a
     daemon: a process that ends without ``wait()`` still finishes the write before it exits
     (Python joins such threads first), rather than losing the save or, with the thread inside
-    a gloo collective while the interpreter finalizes, aborting (comm/lending.py).
+    a gloo collective while the interpreter finalizes, aborting (comm/lending.py). A save
+    nobody waited for that failed (e.g. ``destroy_process_group()`` came before the write
+    finished: its collectives need the group) is reported on stderr at exit, naming the fix.
     """
 
     def __init__(self, save: _PreparedSave, entries: dict[str, Any], io_group: dist.ProcessGroup | None) -> None:
@@ -216,18 +220,39 @@ class AsyncSave:
             except BaseException as exc:  # handed to wait(), on the training thread
                 self._error = exc
 
+        self._save_dir = save.save_dir
         self._thread = threading.Thread(target=run, name=f"checkpoint-iter-{save.iteration}", daemon=False)
         self._thread.start()
+        _not_waited.append(self)
 
     def done(self) -> bool:
         return not self._thread.is_alive()
 
     def wait(self) -> str:
         self._thread.join()
+        if self in _not_waited:
+            _not_waited.remove(self)
         if self._error is not None:
             raise self._error
         assert self._path is not None
         return self._path
+
+
+_not_waited: list[AsyncSave] = []
+
+
+def _report_failed_saves_not_waited_for() -> None:
+    # Runs after Python joined the writer threads (they are not daemons).
+    for pending in list(_not_waited):
+        pending._thread.join()
+        if pending._error is not None:
+            print(f"megatron_fsdp: the background checkpoint save of iteration {pending.iteration} into "
+                  f"{pending._save_dir} FAILED and nothing called its wait(): {pending._error!r}. Call "
+                  "AsyncSave.wait() before torch.distributed.destroy_process_group() and before the process "
+                  "ends.", file=sys.stderr, flush=True)
+
+
+atexit.register(_report_failed_saves_not_waited_for)
 
 
 def async_save_checkpoint(

@@ -1,13 +1,15 @@
-"""Issue 25's two scenarios as a whole program per rank: a DCP checkpoint moved between wrapped models.
+"""Issue 25's scenarios as a whole program per rank: DCP checkpoints moved between wrapped models, and more.
 
-``python -m tests.distributed.checkpoint.round_trip_program ours,fsdp2,collectives DIR`` under
+``python -m tests.distributed.checkpoint.round_trip_program ours,fsdp2,collectives,async_save DIR`` under
 ``torchrun --nproc-per-node 2`` (or ``run(rank, port, scenarios, dir)`` from a spawner) runs the
-named scenarios in order, then exits. The round trips (``ours``, ``fsdp2``): a model
+named scenarios in order, then exits (after ``destroy_process_group()`` unless ``--no-destroy``).
+The round trips (``ours``, ``fsdp2``): a model
 of ours (three ``Linear`` units and the root) has 1 added to its weights and is saved with
 DCP; a second model (``ours``: another of ours; ``fsdp2``: PyTorch's FSDP2) loads it; both
 full state dicts are compared; the second is doubled, saved, and loaded into a third model
 of ours; full state dicts and a forward are compared again. ``collectives``: our collectives
-on temporaries. Then ``destroy_process_group()`` and a normal interpreter exit. The models stay alive to the end,
+on temporaries. ``async_save``: a background checkpoint save never waited for. Then
+``destroy_process_group()`` (unless not asked for) and a normal interpreter exit. The models stay alive to the end,
 so whatever they hold meets the teardown. Any mismatch raises; the caller checks every
 rank's exit status (an abort at exit included).
 
@@ -97,20 +99,41 @@ def collectives(directory: str) -> list[torch.Tensor]:
     return [output]
 
 
+ASYNC_ITERATION = 7
+
+
+def async_save_without_wait(directory: str) -> list[object]:
+    """A background checkpoint save (``async_save_checkpoint``) the program never waits for.
+
+    The writer thread is not a daemon, so the interpreter finishes the write before it exits;
+    the caller checks that the tracker names ``ASYNC_ITERATION`` after every rank exited 0. Run it
+    without ``destroy``: ``destroy_process_group()`` before the write finished fails the write
+    (its collectives need the group), which the exit then reports (``AsyncSave``).
+    """
+    from megatron_fsdp.checkpoint import async_save_checkpoint
+
+    model = build("ours")
+    io_group = dist.new_group(backend="gloo")
+    pending = async_save_checkpoint(directory, ASYNC_ITERATION, model, io_group=io_group)
+    return [model, pending]
+
+
 SCENARIOS = {
     "ours": lambda directory: round_trip("ours", directory),
     "fsdp2": lambda directory: round_trip("fsdp2", directory),
     "collectives": collectives,
+    "async_save": async_save_without_wait,
 }
 
 
-def run(rank: int, port: int, scenarios: tuple[str, ...], directory: str) -> None:
+def run(rank: int, port: int, scenarios: tuple[str, ...], directory: str, destroy: bool = True) -> None:
     """One rank running ``scenarios`` in order then exiting, started by a spawner (``torch.multiprocessing``)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    main(scenarios, directory)
+    main(scenarios, directory, destroy)
 
 
-def main(scenarios: tuple[str, ...], directory: str) -> None:
+def main(scenarios: tuple[str, ...], directory: str, destroy: bool = True) -> None:
+    """``destroy``: end with ``destroy_process_group()`` (torchtitan's habit); Megatron-LM's scripts just return."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     kept = []  # alive through the teardown, as a user's models are
@@ -118,8 +141,9 @@ def main(scenarios: tuple[str, ...], directory: str) -> None:
         path = os.path.join(directory, name)
         os.makedirs(path, exist_ok=True)
         kept.append(SCENARIOS[name](path))
-    dist.destroy_process_group()
+    if destroy:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(tuple(sys.argv[1].split(",")), sys.argv[2])
+    main(tuple(sys.argv[1].split(",")), sys.argv[2], destroy=len(sys.argv) < 4 or sys.argv[3] != "--no-destroy")

@@ -118,3 +118,25 @@ def test_megatron_layout_and_cli_export(tmp_path, capsys):
     assert "no .metadata" in capsys.readouterr().err
     with pytest.raises(ValueError, match=".safetensors"):
         export_full_state_dict(path, str(tmp_path / "model.bin"))
+
+
+def test_a_background_save_that_failed_unwaited_is_reported_at_exit(capsys):
+    """``AsyncSave``: a failed write nobody waited for is named on stderr at exit, with the fix."""
+    from megatron_fsdp.checkpoint import iterations
+
+    class FailingWrite:
+        save_dir, iteration = "/nowhere/ckpt", 7
+
+        def write(self, entries, io_group):
+            raise RuntimeError("Invalid process group specified")
+
+    pending = iterations.AsyncSave(FailingWrite(), {}, None)
+    assert pending._thread.daemon is False  # the interpreter finishes a write before exiting
+    pending._thread.join()
+    iterations._report_failed_saves_not_waited_for()
+    err = capsys.readouterr().err
+    assert "iteration 7 into /nowhere/ckpt FAILED" in err and "AsyncSave.wait() before" in err, err
+    with pytest.raises(RuntimeError, match="Invalid process group"):
+        pending.wait()
+    iterations._report_failed_saves_not_waited_for()
+    assert capsys.readouterr().err == "", "a save that was waited for is not reported again"
