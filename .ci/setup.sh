@@ -27,7 +27,7 @@ $PIP install -q "torch==$TORCH_VERSION"  # torch's own dependencies (and torch i
 $PIP install -q -e ".[test,training]"
 # After numpy is installed (with the training extra): importing torch before that warns "Failed to initialize NumPy".
 .venv/bin/python -c 'import sys, torch; build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"; print(f"setup: torch {torch.__version__} ({build} build) from {sys.argv[1]}")' "$origin"
-# megatron-core, beside (not in) the test environment: tests/distributed/mcore/test_mcore_adapter.py runs the
+# megatron-core, beside (not in) the test environment: tests/distributed/mcore/test_mcore_model.py runs the
 # adapter against it in a separate process, while the rest of the suite proves we work without it.
 $PIP install -q --no-deps --target .venv/extras/mcore megatron-core==0.16.1
 # torchao for the float8 all-gather tests (tests/distributed/core/test_float8.py, which skip without it). --no-deps:

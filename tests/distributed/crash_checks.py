@@ -36,3 +36,12 @@ def rank0_aborts_here() -> None:
 @check(SUITE, world_sizes=(2,))
 def runs_after_the_crash() -> None:
     dist.barrier()
+
+
+# A second suite of the same group (harness.run_suites): run after "crash" by the same ranks.
+NEXT_SUITE = "crash_next"
+
+
+@check(NEXT_SUITE, world_sizes=(2,))
+def runs_in_the_next_suite() -> None:
+    dist.barrier()

@@ -1,8 +1,8 @@
 """Run many named checks inside one group of processes (gloo on CPU, or NCCL with one GPU per rank).
 
-Launching processes is the slow part of a distributed test, so each test file
-spawns one group per world size and runs all its checks in it; pytest then
-reports every check separately from the collected results.
+Launching processes is the slow part of a distributed test, so the checks of
+every suite of a directory (``pytest_suite``'s group) run in one spawned group per
+world size; pytest then reports every check separately from the collected results.
 
 - ``@check(SUITE, world_sizes, params)`` registers a function (one check per
   combination of ``params``); ``pytest_suite(module)`` is the test file's shim.
@@ -49,6 +49,7 @@ WATCHDOG_S = 90
 MMAP_THRESHOLD = 1 << 16
 # Types a parameter value may have: each is written into the check's name as str(value).
 PARAM_TYPES = (str, int, float, bool)
+IMPORT_ERROR = "<import>"  # a rank's result key for a suite whose module it could not import (fails each check)
 BACKEND_ENV = "MEGATRON_FSDP_TEST_BACKEND"  # "gloo" (default) or "nccl"
 BACKENDS = {"gloo": "cpu", "nccl": "cuda"}  # backend -> the device type its ranks compute on
 Params = Mapping[str, Sequence[object]]  # parameter name -> the values a check runs with
@@ -158,14 +159,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _write_results(out_dir: str, rank: int, results: dict[str, str | None]) -> None:
+def _write_results(out_dir: str, rank: int, results: dict[str, dict[str, str | None]]) -> None:
     tmp = os.path.join(out_dir, f"rank{rank}.json.tmp")
     with open(tmp, "w") as f:
         json.dump(results, f)
     os.replace(tmp, os.path.join(out_dir, f"rank{rank}.json"))
 
 
-def _worker(rank: int, world_size: int, port: int, module: str, suite: str, out_dir: str) -> None:
+def _worker(rank: int, world_size: int, port: int, suites: list[tuple[str, str]], out_dir: str) -> None:
+    """Run each ``(module, suite)`` of ``suites`` in turn on this rank; results go to ``rank<r>.json``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
@@ -176,40 +178,54 @@ def _worker(rank: int, world_size: int, port: int, module: str, suite: str, out_
         torch.cuda.set_device(device())
         torch.set_default_device(device())
     dist.init_process_group(backend(), rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
-    __import__(module)  # registers the checks in this process
-    results: dict[str, str | None] = {}
-    checks = CHECKS[f"{suite}@{world_size}"]
-    for i, (name, fn) in enumerate(checks):
+    results: dict[str, dict[str, str | None]] = {}  # suite -> check name -> None or the error
+    for s, (module, suite) in enumerate(suites):
+        results[suite] = {}
         try:
-            print(f"[rank {rank}] {suite}: {name}", file=sys.stderr, flush=True)  # shown on failure
-            torch.manual_seed(1234)
-            faulthandler.dump_traceback_later(WATCHDOG_S)
-            fn()
-            results[name] = None
-        except Exception:  # reported per check by pytest
-            results[name] = traceback.format_exc()
-        except BaseException:  # SystemExit, or KeyboardInterrupt (SIGINT): spawn's wrapper exits 0 on
-            # it, so without this record the check would read "no results written" with no cause
-            results[name] = f"the rank was stopped inside this check:\n{traceback.format_exc()}"
+            __import__(module)  # registers the suite's checks in this process
+        except Exception:  # the suite's own failure (reported on each of its checks), not the group's
+            results[suite] = {IMPORT_ERROR: f"importing {module} failed:\n{traceback.format_exc()}"}
             _write_results(out_dir, rank, results)
-            raise
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-        _write_results(out_dir, rank, results)  # kept even if this rank dies below
-        try:
-            dist.barrier()
-        except Exception:
-            # A check that failed on some ranks only leaves the others in a collective
-            # that times out and breaks the group: report the checks left unrun and
-            # stop, so pytest shows the failing check's own error, not a lost rank.
-            for later, _ in checks[i + 1:]:
-                results[later] = f"not run: the process group broke after {name!r} (a rank failed or hung there)"
-            _write_results(out_dir, rank, results)
-            # Leave at once, skipping interpreter shutdown: a gloo group broken by a timeout or a
-            # lost peer cannot be destroyed (destroy_process_group and the group's destructors wait
-            # on, or abort over, the dead connections), and this rank's results are on disk. Status
-            # 0 because the failures are reported per check above, not as a lost rank.
-            os._exit(0)
+            continue
+        checks = CHECKS[f"{suite}@{world_size}"]
+        for i, (name, fn) in enumerate(checks):
+            try:
+                print(f"[rank {rank}] {suite}: {name}", file=sys.stderr, flush=True)  # shown on failure
+                torch.manual_seed(1234)
+                faulthandler.dump_traceback_later(WATCHDOG_S)
+                fn()
+                results[suite][name] = None
+            except Exception:  # reported per check by pytest
+                results[suite][name] = traceback.format_exc()
+            except BaseException:  # SystemExit, or KeyboardInterrupt (SIGINT): spawn's wrapper exits 0 on
+                # it, so without this record the check would read "no results written" with no cause
+                results[suite][name] = f"the rank was stopped inside this check:\n{traceback.format_exc()}"
+                _write_results(out_dir, rank, results)
+                raise
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+            _write_results(out_dir, rank, results)  # kept even if this rank dies below
+            try:
+                dist.barrier()
+            except Exception:
+                # A check that failed on some ranks only leaves the others in a collective
+                # that times out and breaks the group: report the checks left unrun (this
+                # suite's and the later suites') and stop, so pytest shows the failing
+                # check's own error, not a lost rank.
+                broke = f"not run: the process group broke after {suite}: {name!r} (a rank failed or hung there)"
+                results[suite].update(dict.fromkeys((later for later, _ in checks[i + 1:]), broke))
+                for later_module, later_suite in suites[s + 1:]:
+                    with contextlib.suppress(Exception):
+                        __import__(later_module)
+                    results[later_suite] = dict.fromkeys(
+                        (later for later, _ in CHECKS.get(f"{later_suite}@{world_size}", [])), broke)
+                _write_results(out_dir, rank, results)
+                # Leave at once, skipping interpreter shutdown: a gloo group broken by a timeout or a
+                # lost peer cannot be destroyed (destroy_process_group and the group's destructors wait
+                # on, or abort over, the dead connections), and this rank's results are on disk. Status
+                # 0 because the failures are reported per check above, not as a lost rank.
+                os._exit(0)
+        gc.collect()  # the suite's models and buffers, before the next suite measures memory
     # Reference cycles inside torch keep finished gloo work alive; freed at
     # interpreter exit they abort the process ("terminate called without an
     # active exception"). Collect them while the process group still exists.
@@ -231,11 +247,13 @@ class SuiteRun:
         A rank that died fails every check it did not report, with its exit reason. A
         rank that died after reporting them all (a crash at interpreter exit) fails
         every check as well: a crash is a lost job whenever it happens, never retried.
+        A suite a rank could not import fails each of its checks with the import's error.
         """
         failures: dict[str, list[str]] = {name: [] for name in expected}
         for r, results in enumerate(self.per_rank):
             for name in expected:
-                error = results.get(name, f"not reported: the rank died ({self.death or 'no results written'})")
+                error = results.get(name, results.get(IMPORT_ERROR)
+                                    or f"not reported: the rank died ({self.death or 'no results written'})")
                 if error:
                     failures[name].append(f"rank {r}:\n{error}")
         if self.death is not None and all(set(expected) <= set(results) for results in self.per_rank):
@@ -244,19 +262,26 @@ class SuiteRun:
         return failures
 
 
-def run_suite_once(module: str, suite: str, world_size: int) -> SuiteRun:
-    """Spawn ``world_size`` fresh ranks running ``suite`` once; collect what they reported."""
+def run_suites_once(suites: Sequence[tuple[str, str]], world_size: int) -> dict[str, SuiteRun]:
+    """Spawn ``world_size`` fresh ranks running each ``(module, suite)`` in turn; what each suite's ranks reported.
+
+    One launch for all of them: the launch (an interpreter, torch and a process group per rank) costs
+    seconds, often more than a small suite's checks. A rank's death is every suite's ``death``.
+    """
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
+    suites = list(suites)
+    if len({suite for _, suite in suites}) != len(suites):
+        raise ValueError(f"a suite is named twice in one group: {suites}")
     death, signal_name = None, None
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(
-                _worker, args=(world_size, free_port(), module, suite, out_dir), nprocs=world_size,
+                _worker, args=(world_size, free_port(), suites, out_dir), nprocs=world_size,
                 start_method="spawn", join=True,
             )
         except mp.ProcessExitedException as exc:  # a signal or a non-zero exit code
             death, signal_name = str(exc), exc.signal_name
-        except mp.ProcessRaisedException as exc:  # an exception outside any check (set-up, import)
+        except mp.ProcessRaisedException as exc:  # an exception outside any check (set-up)
             death = str(exc).strip()
         per_rank = []
         for r in range(world_size):
@@ -266,30 +291,75 @@ def run_suite_once(module: str, suite: str, world_size: int) -> SuiteRun:
                     per_rank.append(json.load(f))
             else:
                 per_rank.append({})
-    return SuiteRun(per_rank, death, signal_name)
+    return {suite: SuiteRun([rank.get(suite, {}) for rank in per_rank], death, signal_name) for _, suite in suites}
+
+
+def run_suite_once(module: str, suite: str, world_size: int) -> SuiteRun:
+    """Spawn ``world_size`` fresh ranks running ``suite`` once; collect what they reported."""
+    return run_suites_once([(module, suite)], world_size)[suite]
+
+
+def run_suites(suites: Sequence[tuple[str, str]], world_size: int) -> dict[str, dict[str, list[str]]]:
+    """Spawn ``world_size`` ranks running each ``(module, suite)``; failures per check name, per suite."""
+    for module, _ in suites:
+        __import__(module)  # the checks' names, to report any a rank never finished
+    runs = run_suites_once(suites, world_size)
+    return {suite: run.failures(names(suite, world_size)) for suite, run in runs.items()}
 
 
 def run_suite(module: str, suite: str, world_size: int) -> dict[str, list[str]]:
     """Spawn ``world_size`` ranks running ``suite``; return failures per check name (see ``SuiteRun``)."""
-    __import__(module)  # the checks' names, to report any a rank never finished
-    return run_suite_once(module, suite, world_size).failures(names(suite, world_size))
+    return run_suites([(module, suite)], world_size)[suite]
 
 
-def pytest_suite(checks_module, world_sizes: tuple[int, ...] = (2, 4)):
+# (group, world size) -> suite -> failures per check name: the runs of this pytest session
+_GROUP_RESULTS: dict[tuple[str, int], dict[str, dict[str, list[str]]]] = {}
+
+
+def _selected_suites(session, group: str, world_size: int) -> list[tuple[str, str]]:
+    """The ``(module, suite)`` of ``group`` with a test selected at ``world_size`` in this session, in test order."""
+    found: list[tuple[str, str]] = []
+    for item in getattr(session, "items", []):
+        member = getattr(getattr(item, "function", None), "_harness_suite", None)
+        callspec = getattr(item, "callspec", None)
+        if member is None or callspec is None or member[2] != group:
+            continue
+        if callspec.params.get("results") == world_size and member[:2] not in found:
+            found.append(member[:2])
+    return found
+
+
+def pytest_suite(checks_module, world_sizes: tuple[int, ...] = (2, 4), group: str | None = None):
     """A module-scoped fixture and a parametrized test that run ``checks_module``'s suite.
 
-    Use as ``results, test_<name> = pytest_suite(<checks module>)`` in a test file.
+    Use as ``results, test_<name> = pytest_suite(<checks module>)`` in a test file. Suites of one
+    ``group`` (default: the checks module's package, e.g. ``tests.distributed.core``) share their
+    launches: the first of them to run at a world size runs, in one spawned group, every suite of the
+    group that has a test selected at that world size in this pytest session, so a whole directory
+    costs one launch per world size and a single file (or ``-k``) still runs only what it selects.
     """
     import pytest  # here, not at the top: the spawned ranks import this module and never need pytest
 
     suite = checks_module.SUITE
+    module = checks_module.__name__
+    group = group or module.rpartition(".")[0]
 
     @pytest.fixture(scope="module", params=list(world_sizes))
     def results(request):
-        reason = skip_reason(request.param)
+        world_size = request.param
+        reason = skip_reason(world_size)
         if reason is not None:
             pytest.skip(reason)
-        return request.param, run_suite(checks_module.__name__, suite, request.param)
+        if not names(suite, world_size):
+            return world_size, {}  # no check at this world size: its tests skip, and nothing is launched
+        done = _GROUP_RESULTS.setdefault((group, world_size), {})
+        if suite not in done:
+            members = [m for m in _selected_suites(request.session, group, world_size)
+                       if m[1] not in done and names(m[1], world_size)]
+            if (module, suite) not in members:
+                members.append((module, suite))
+            done.update(run_suites(members, world_size))
+        return world_size, done[suite]
 
     @pytest.mark.parametrize("name", sorted({x for n in world_sizes for x in names(suite, n)}))
     def test(results, name):
@@ -298,6 +368,7 @@ def pytest_suite(checks_module, world_sizes: tuple[int, ...] = (2, 4)):
             pytest.skip(f"{name} does not run at world size {world_size}")
         assert not failures[name], "\n".join(failures[name])
 
+    test._harness_suite = (module, suite, group)  # found by _selected_suites
     return results, test
 
 

@@ -6,11 +6,12 @@
                                                        # (re)write only these entries, keep the others
 
 Running many short jobs inside one process group (``pretrain`` reuses an
-initialised group) keeps the CI cost to one process launch per world size, and one
-more for the configurations of megatron-core's model (``Config.mcore``): their ranks
-have megatron-core (``.venv/extras/mcore``, put there by ``.ci/setup.sh``) on their
-path, which the others must not have (``--model-provider auto`` would build it).
-Without megatron-core those configurations report ``skipped``.
+initialised group) keeps the CI cost to one process launch per world size. The
+configurations of megatron-core's model (``Config.mcore``) run last in that group:
+only then do the ranks put megatron-core (``.venv/extras/mcore``, put there by
+``.ci/setup.sh``) on their path, which the other configurations must not see
+(``--model-provider auto`` would build it). Without megatron-core those
+configurations report ``skipped``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import importlib
 import io
 import json
 import os
@@ -36,7 +38,7 @@ MCORE_EXTRA = os.path.join(ROOT, ".venv", "extras", "mcore")
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str,
-            only: list[str] | None = None, mcore: bool = False) -> None:
+            only: list[str] | None = None, mcore_path: str | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -52,9 +54,13 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str,
         built.append(f"{type(model).__module__}.{type(model).__name__}")
         return model
 
-    for config in by_world_size(world_size):
-        if (only is not None and config.name not in only) or config.mcore != mcore:
-            continue
+    chosen = [c for c in by_world_size(world_size) if only is None or c.name in only]
+    # megatron-core's configurations last, after the others ran without it importable
+    chosen = [c for c in chosen if not c.mcore] + ([c for c in chosen if c.mcore] if mcore_path else [])
+    for config in chosen:
+        if config.mcore and mcore_path not in sys.path:
+            sys.path.insert(0, mcore_path)  # the ``megatron`` namespace package now finds megatron.core too
+            importlib.invalidate_caches()
         log = io.StringIO()
         built.clear()
         try:
@@ -85,41 +91,28 @@ def run_world(world_size: int, ckpt_root: str, only: list[str] | None = None) ->
 
     Checkpoints go under ``ckpt_root`` (run world size 2 first: 4-rank configs resume its checkpoint).
     """
+    from tests.distributed.harness import free_port
     from tests.functional.configs import by_world_size
 
     chosen = [c for c in by_world_size(world_size) if only is None or c.name in only]
     results = {}
-    if any(not c.mcore for c in chosen):
-        results.update(_run_group(world_size, ckpt_root, only, mcore=False))
-    mcore_configs = [c.name for c in chosen if c.mcore]
-    if mcore_configs and not os.path.isdir(os.path.join(MCORE_EXTRA, "megatron", "core")):
-        results.update({name: {"skipped": f"megatron-core is not installed in {MCORE_EXTRA} (.ci/setup.sh)"}
-                        for name in mcore_configs})
-    elif mcore_configs:
-        results.update(_run_group(world_size, ckpt_root, only, mcore=True))
+    mcore_path = MCORE_EXTRA if os.path.isdir(os.path.join(MCORE_EXTRA, "megatron", "core")) else None
+    if mcore_path is None:
+        results.update({c.name: {"skipped": f"megatron-core is not installed in {MCORE_EXTRA} (.ci/setup.sh)"}
+                        for c in chosen if c.mcore})
+    if len(results) == len(chosen):
+        return results
+    # One spawned gloo group for every configuration of this world size (megatron-core's last).
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            mp.start_processes(_worker, args=(world_size, free_port(), out_dir, ckpt_root, only, mcore_path),
+                               nprocs=world_size, start_method="spawn", join=True)
+        except mp.ProcessExitedException:
+            if not os.path.exists(os.path.join(out_dir, "results.json")):
+                raise
+        with open(os.path.join(out_dir, "results.json")) as f:
+            results.update(json.load(f))
     return results
-
-
-def _run_group(world_size: int, ckpt_root: str, only: list[str] | None, mcore: bool) -> dict:
-    """One spawned gloo group running the (megatron-core or other) configurations of ``world_size``."""
-    from tests.distributed.harness import free_port
-
-    # spawn starts each rank with this process's sys.path: megatron-core's directory only for its group.
-    path = list(sys.path)
-    if mcore:
-        sys.path.insert(0, MCORE_EXTRA)
-    try:
-        with tempfile.TemporaryDirectory() as out_dir:
-            try:
-                mp.start_processes(_worker, args=(world_size, free_port(), out_dir, ckpt_root, only, mcore),
-                                   nprocs=world_size, start_method="spawn", join=True)
-            except mp.ProcessExitedException:
-                if not os.path.exists(os.path.join(out_dir, "results.json")):
-                    raise
-            with open(os.path.join(out_dir, "results.json")) as f:
-                return json.load(f)
-    finally:
-        sys.path[:] = path
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The Megatron adapter ``FullyShardedDataParallel``: config translation, methods, parity with DDP, errors.
 
-Runs with and without megatron-core: with it (tests/distributed/mcore/test_mcore_adapter.py
+Runs with and without megatron-core: with it (tests/distributed/mcore/test_mcore_model.py
 puts an installed copy on the path of a separate process), megatron-core's own
 config objects are passed and the adapter must be an instance of its
 data-parallel base class.

@@ -1,12 +1,16 @@
-"""megatron-core's own GPTModel under our engine, at 2 and 4 gloo ranks (tests/distributed/mcore/mcore_model_checks.py).
+"""megatron-core's own GPTModel under our engine (mcore_model_checks.py), and the Megatron adapter
+(mcore_adapter_checks.py) with megatron-core's own config objects, at 2 and 4 gloo ranks.
 
 megatron-core lives in ``.venv/extras/mcore`` (``.ci/setup.sh``), outside this environment's
 path, so that the rest of the suite proves the library and the front-end work without it;
-each world size runs the checks in one process that has it on its path.
+each world size runs its checks in one process that has it on its path, both suites in one
+spawned group at 2 ranks (a launch costs seconds; the adapter's suite runs only at 2 here).
+test_mcore_adapter.py runs the adapter's suite without megatron-core.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -17,28 +21,53 @@ import pytest
 from tests import ROOT
 
 MCORE_EXTRA = os.path.join(ROOT, ".venv", "extras", "mcore")
+# checks modules (named: only the child process can import megatron-core) -> their suite names
+MODEL, ADAPTER = "tests.distributed.mcore.mcore_model_checks", "tests.distributed.mcore.mcore_adapter_checks"
+SUITE_OF = {MODEL: "mcore_model", ADAPTER: "mcore_adapter"}
+# the suites each world size runs with megatron-core importable, in one spawned group
+SUITES = {2: (MODEL, ADAPTER), 4: (MODEL,)}
 
 
-def run_with_megatron_core(world_size: int) -> dict[str, list[str]]:
+@functools.cache
+def run_with_megatron_core(world_size: int) -> tuple[dict[str, dict[str, list[str]]], str]:
+    """Failures per check name per suite of ``SUITES[world_size]``, and the process's stderr (a rank's stacks)."""
+    modules = list(SUITES[world_size])
     script = (
-        "import json\n"
-        "from tests.distributed.harness import run_suite\n"
-        "from tests.distributed.mcore import mcore_model_checks as c\n"
-        f"print('RESULT', json.dumps(run_suite(c.__name__, c.SUITE, {world_size})))\n"
+        "import importlib, json\n"
+        "import megatron.core, megatron.training\n"
+        "from tests.distributed.harness import run_suites\n"
+        f"modules = [importlib.import_module(m) for m in {modules!r}]\n"
+        "assert all(getattr(m, 'HAVE_MCORE', True) for m in modules), 'megatron-core did not import'\n"
+        f"assert [m.SUITE for m in modules] == {[SUITE_OF[m] for m in modules]!r}\n"
+        f"print('RESULT', json.dumps(run_suites([(m.__name__, m.SUITE) for m in modules], {world_size})))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([MCORE_EXTRA, ROOT])}
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=1200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT "):]), out.stderr
+
+
+def _skip_without_megatron_core() -> None:
+    if not os.path.isdir(os.path.join(MCORE_EXTRA, "megatron", "core")):
+        pytest.skip(f"megatron-core not installed in {MCORE_EXTRA} (.ci/setup.sh puts it there)")
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_megatron_core_gpt_model_under_our_engine(world_size):
-    if not os.path.isdir(os.path.join(MCORE_EXTRA, "megatron", "core")):
-        pytest.skip(f"megatron-core not installed in {MCORE_EXTRA} (.ci/setup.sh puts it there)")
-    results = run_with_megatron_core(world_size)
+    _skip_without_megatron_core()
+    results = run_with_megatron_core(world_size)[0][SUITE_OF[MODEL]]
     assert results, "no check ran"
     failures = {name: errors for name, errors in results.items() if errors}
     assert not failures, "\n\n".join(f"{name}:\n" + "\n".join(errors) for name, errors in failures.items())
+
+
+def test_mcore_adapter_with_megatron_core():
+    _skip_without_megatron_core()
+    suites, stderr = run_with_megatron_core(2)
+    results = suites[SUITE_OF[ADAPTER]]
+    assert results, "no check ran"
+    failures = {name: errors for name, errors in results.items() if errors}
+    # a rank that died printed where each thread was (the harness's faulthandler) on stderr
+    assert not failures, "\n".join(e for errors in failures.values() for e in errors) + "\n" + stderr[-6000:]
