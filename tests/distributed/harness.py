@@ -166,6 +166,14 @@ def _write_results(out_dir: str, rank: int, results: dict[str, dict[str, str | N
     os.replace(tmp, os.path.join(out_dir, f"rank{rank}.json"))
 
 
+def _group_counts() -> list[int]:
+    """Every rank's count of process groups created so far, in rank order (a collective: a barrier too)."""
+    mine = torch.tensor([dist.distributed_c10d._world.group_count], dtype=torch.int64, device=device())
+    everyone = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device())
+    dist.all_gather_into_tensor(everyone, mine)
+    return everyone.tolist()
+
+
 def _worker(rank: int, world_size: int, port: int, suites: list[tuple[str, str]], out_dir: str) -> None:
     """Run each ``(module, suite)`` of ``suites`` in turn on this rank; results go to ``rank<r>.json``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -206,12 +214,19 @@ def _worker(rank: int, world_size: int, port: int, suites: list[tuple[str, str]]
                 faulthandler.cancel_dump_traceback_later()
             _write_results(out_dir, rank, results)  # kept even if this rank dies below
             try:
-                dist.barrier()
+                counts = _group_counts()  # also the barrier between checks
             except Exception:
+                counts = None
+            if counts is None or len(set(counts)) > 1:
                 # A check that failed on some ranks only leaves the others in a collective
-                # that times out and breaks the group: report the checks left unrun (this
-                # suite's and the later suites') and stop, so pytest shows the failing
-                # check's own error, not a lost rank.
+                # that times out and breaks the group; one that made process groups on some ranks
+                # only leaves the next group any check creates hanging (torch numbers groups per
+                # rank). Report the checks left unrun (this suite's and the later suites') and
+                # stop, so pytest shows the failing check's own error, not a lost rank.
+                if counts is not None and results[suite][name] is None:
+                    results[suite][name] = (
+                        f"this check left the ranks with different numbers of process groups ({counts}): it made a "
+                        "mesh or group on some ranks only; every rank must create each one (members or not)")
                 broke = f"not run: the process group broke after {suite}: {name!r} (a rank failed or hung there)"
                 results[suite].update(dict.fromkeys((later for later, _ in checks[i + 1:]), broke))
                 for later_module, later_suite in suites[s + 1:]:

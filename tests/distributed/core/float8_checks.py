@@ -384,18 +384,21 @@ def float8_dcp_reshards_across_world_sizes(recipe: str, ranks: str) -> None:
     state dict (no DCP) on the loading ranks."""
     saving, loading = (int(x) for x in ranks.split("->"))
     rank, _ = world()
+    # Every rank makes both meshes, members or not: a mesh's process groups are created by all ranks
+    # (torch counts groups per rank), or the next group any later suite of this process creates hangs.
+    saving_mesh, loading_mesh = sub_mesh(saving), sub_mesh(loading)
     with shared_tmpdir("float8_reshard_") as root:
         path = os.path.join(root, "ckpt")
         saved = None
         if rank < saving:
-            mesh = sub_mesh(saving)
+            mesh = saving_mesh
             model, opt = build(recipe, mesh)
             train_steps(model, opt, range(SAVE_AT), mesh)
             save(path, model, opt)
             saved = full_state(model, opt)
         dist.barrier()
         if rank < loading:
-            mesh = sub_mesh(loading)
+            mesh = loading_mesh
             fresh, fresh_opt = build(recipe, mesh)
             train_steps(fresh, fresh_opt, range(SAVE_AT, SAVE_AT + 1), mesh)  # other state: replaced
             load(path, fresh, fresh_opt)
