@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from megatron_fsdp.comm.lending import on_aliases
+from megatron.training.reduce import all_reduce
 
 from .config import TrainingConfig
 
@@ -31,7 +30,7 @@ def nonfinite_grad_names(module: nn.Module, device: torch.device) -> list[str]:
         if param.grad is not None:
             grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
             flags[i] = (~torch.isfinite(grad)).any().float()
-    on_aliases(dist.all_reduce, flags)
+    all_reduce(flags)
     return [name for (name, _), bad in zip(named, flags.tolist()) if bad > 0]
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_fsdp.comm.lending import on_aliases
+from megatron.training.reduce import all_reduce
 
 from . import checkpointing
 from .backends import DataParallelBackend
@@ -138,7 +138,7 @@ class Trainer:
         if cp.size == 1:
             return masked.detach(), tokens.detach()
         both = torch.stack([masked.detach(), tokens.detach()])
-        on_aliases(dist.all_reduce, both, group=cp.group)
+        all_reduce(both, group=cp.group)
         return both[0], both[1]
 
     def train_step(self, data_iterator: Iterator[dict]) -> StepResult:
@@ -177,7 +177,7 @@ class Trainer:
         backend.finish_grad_sync()
         if mcore_moe is not None:
             mcore_moe.finish_step()
-        on_aliases(dist.all_reduce, totals, group=backend.layout.dp_group)  # TP ranks of a DP rank: same losses
+        all_reduce(totals, group=backend.layout.dp_group)  # TP ranks of a DP rank: same losses
         total_sum, total_tokens, total_means = totals.tolist()
         if config.calculate_per_token_loss:
             backend.scale_gradients(1.0 / max(total_tokens, 1.0))
@@ -188,7 +188,7 @@ class Trainer:
         norm = backend.clip_grad_norm(config.clip_grad if config.clip_grad > 0 else math.inf)
         moe_losses = {}
         if moe:  # the mean over data-parallel ranks, as Megatron reduces its tracker
-            on_aliases(dist.all_reduce, balancing, group=backend.layout.dp_group)
+            all_reduce(balancing, group=backend.layout.dp_group)
             moe_losses["load_balancing_loss"] = float(balancing) / backend.layout.dp_size
         elif mcore_moe is not None:
             moe_losses = mcore_moe.losses(n)
@@ -214,7 +214,7 @@ class Trainer:
                 totals += torch.stack([masked, tokens, masked / tokens.clamp(min=1.0), torch.ones_like(masked)])
         backend.model.train()
         self.state.consumed_valid_samples += config.eval_iters * config.global_batch_size
-        on_aliases(dist.all_reduce, totals, group=backend.layout.dp_group)
+        all_reduce(totals, group=backend.layout.dp_group)
         total_sum, total_tokens, total_means, total_count = totals.tolist()
         if config.calculate_per_token_loss:
             return total_sum / max(total_tokens, 1.0)
@@ -282,7 +282,7 @@ class Trainer:
         if minutes is None:
             return False
         done = torch.tensor([float((time.time() - started) / 60.0 > minutes)], device=self.device)
-        on_aliases(dist.all_reduce, done, op=dist.ReduceOp.MAX)
+        all_reduce(done, op=dist.ReduceOp.MAX)
         return bool(done.item())
 
     def _train(self, train_iter: Iterator[dict], valid_iter: Iterator[dict] | None) -> TrainingResult:

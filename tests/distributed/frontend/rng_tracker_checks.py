@@ -46,7 +46,7 @@ def tracker_in_use(tracker: FakeTracker) -> Iterator[None]:
 def _args(directory: str) -> argparse.Namespace:
     """The flags checkpointing.save/load read: save to and resume from ``directory``, everything restored."""
     return argparse.Namespace(save=directory, load=directory, finetune=False, no_load_optim=False, no_load_rng=False,
-                              allow_fresh_start=False, no_load_args_check=False)
+                              allow_fresh_start=False, no_load_args_check=False, async_save=False)
 
 
 @check(SUITE, world_sizes=(2,))

@@ -65,7 +65,8 @@ def test_nothing_saved_without_a_tracker_or_states():
 
 def _run_args(directory: str) -> argparse.Namespace:
     return argparse.Namespace(save=directory, load=directory, finetune=False, no_load_optim=False,
-                              no_load_rng=False, allow_fresh_start=False, no_load_args_check=False, seed=1234)
+                              no_load_rng=False, allow_fresh_start=False, no_load_args_check=False, seed=1234,
+                              async_save=False)
 
 
 
