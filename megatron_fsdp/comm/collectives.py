@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from megatron_fsdp.comm.lending import on_aliases, return_lent
+from megatron_fsdp.comm.lending import on_aliases, return_lent, wait_lent
 from megatron_fsdp.comm.streams import CUDA_STREAMS, Event, StreamProvider, StreamWork, on_side_stream
 
 # torch 2.13 renamed the flat-tensor collectives; 2.11 only has the old names.
@@ -455,4 +455,4 @@ def all_reduce_max(
     """Element-wise maximum of ``tensor`` over ``group``, in place, waited for (control rounds; the
     scales of a quantized all-gather, counted as ``kind``)."""
     comm.record(kind, tensor)
-    on_aliases(dist.all_reduce, tensor, op=dist.ReduceOp.MAX, group=group, async_op=True).wait()
+    wait_lent(dist.all_reduce, tensor, op=dist.ReduceOp.MAX, group=group)

@@ -74,6 +74,12 @@ def on_aliases(collective: Callable[..., R], *tensors: torch.Tensor, **kwargs: A
     return result
 
 
+def wait_lent(collective: Callable[..., Any], *tensors: torch.Tensor, **kwargs: Any) -> None:
+    """``collective(*aliases, **kwargs, async_op=True).wait()`` (``on_aliases``), then return what was let go."""
+    on_aliases(collective, *tensors, async_op=True, **kwargs).wait()
+    return_lent()
+
+
 def _held_elsewhere(alias: torch.Tensor) -> bool:
     # Our Python object accounts for one reference; any other is a work or backend thread's.
     return alias._use_count() > 1

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp.comm.collectives import _all_gather_flat
-from megatron_fsdp.comm.lending import on_aliases, return_lent
+from megatron_fsdp.comm.lending import wait_lent
 
 
 def _device(group: dist.ProcessGroup | None) -> torch.device:
@@ -43,14 +43,13 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
     payload = _to_bytes(obj, device)
     sizes = torch.zeros(world, dtype=torch.int64, device=device)
     mine = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    on_aliases(_all_gather_flat, sizes, mine, group=group, async_op=True).wait()
+    wait_lent(_all_gather_flat, sizes, mine, group=group)
     counts = sizes.tolist()
     biggest = max(counts)
     padded = torch.zeros(biggest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     gathered = torch.empty(world * biggest, dtype=torch.uint8, device=device)
-    on_aliases(_all_gather_flat, gathered, padded, group=group, async_op=True).wait()
-    return_lent()
+    wait_lent(_all_gather_flat, gathered, padded, group=group)
     return [_from_bytes(gathered[r * biggest : r * biggest + n]) for r, n in enumerate(counts)]
 
 
@@ -62,9 +61,8 @@ def broadcast_object(obj: Any, group: dist.ProcessGroup | None = None, src: int 
     is_source = dist.get_rank(group) == src
     payload = _to_bytes(obj, device) if is_source else None
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
-    on_aliases(dist.broadcast, size, src=source, group=group, async_op=True).wait()
+    wait_lent(dist.broadcast, size, src=source, group=group)
     if payload is None:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    on_aliases(dist.broadcast, payload, src=source, group=group, async_op=True).wait()
-    return_lent()
+    wait_lent(dist.broadcast, payload, src=source, group=group)
     return _from_bytes(payload)

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard
 
 from megatron_fsdp.comm.collectives import _all_gather_flat
-from megatron_fsdp.comm.lending import on_aliases, return_lent
+from megatron_fsdp.comm.lending import wait_lent
 
 # torch 2.13 renamed the functional all-gather; 2.11 only has the old name.
 _funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -50,8 +50,7 @@ def _all_gather(tensor: torch.Tensor, dim: int, mesh: DeviceMesh, mesh_dim: int)
     world = mesh.size(mesh_dim)
     tensor = tensor.contiguous()
     out = tensor.new_empty((world * tensor.size(0), *tensor.shape[1:]) if tensor.dim() else (world,))
-    on_aliases(_all_gather_flat, out, tensor, group=group, async_op=True).wait()
-    return_lent()
+    wait_lent(_all_gather_flat, out, tensor, group=group)
     return out if dim == 0 else torch.cat(out.chunk(world), dim=dim)
 
 
@@ -62,8 +61,7 @@ def _all_reduce(tensor: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim
         return reduced.wait() if isinstance(reduced, funcol.AsyncCollectiveTensor) else reduced
     reduced = tensor.contiguous().clone()
     op = getattr(dist.ReduceOp, reduce_op.upper())
-    on_aliases(dist.all_reduce, reduced, op=op, group=mesh.get_group(mesh_dim), async_op=True).wait()
-    return_lent()
+    wait_lent(dist.all_reduce, reduced, op=op, group=mesh.get_group(mesh_dim))
     return reduced
 
 
