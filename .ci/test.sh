@@ -14,5 +14,5 @@ if [ "${1:-}" = quick ]; then
   shift
   .venv/bin/python -m pytest -q "${QUICK[@]}" "$@"
 else
-  .venv/bin/python -m pytest -q tests "$@"
+  .venv/bin/python -m pytest -q --durations=30 tests "$@"  # the slowest 30: where the suite's time goes
 fi

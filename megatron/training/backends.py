@@ -79,7 +79,7 @@ class DataParallelBackend(abc.ABC):
 
     def num_zeros_in_grad(self) -> int:
         """Megatron's ``num zeros``: zero entries of the reduced gradients, each parameter counted once."""
-        holders = [_AsGrad(p, (p.grad == 0).float()) for p in self.model.parameters() if p.grad is not None]
+        holders = [_AsGrad(p, _zero_entries(p.grad)) for p in self.model.parameters() if p.grad is not None]
         return int(round(self._global_norm(holders, 1.0)))
 
     def _global_norm(self, holders: list[_AsGrad], norm_type: float) -> float:
@@ -226,6 +226,15 @@ class _AsGrad:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._param, name)
+
+
+def _zero_entries(grad: torch.Tensor) -> torch.Tensor:
+    """1.0 where ``grad`` is zero, laid out as ``grad``. A DTensor's is computed on its local piece: two DTensor
+    ops per parameter and step (sharding propagation each) cost more than the training step of a small model."""
+    if not isinstance(grad, DTensor):
+        return (grad == 0).float()
+    return DTensor.from_local((grad.to_local() == 0).float(), grad.device_mesh, grad.placements, run_check=False,
+                              shape=grad.shape, stride=grad.stride())
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
