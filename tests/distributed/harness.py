@@ -31,6 +31,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ PARAM_TYPES = (str, int, float, bool)
 IMPORT_ERROR = "<import>"  # a rank's result key for a suite whose module it could not import (fails each check)
 BACKEND_ENV = "MEGATRON_FSDP_TEST_BACKEND"  # "gloo" (default) or "nccl"
 BACKENDS = {"gloo": "cpu", "nccl": "cuda"}  # backend -> the device type its ranks compute on
+# Where rank 0 appends "<seconds> <world size> <suite>: <check>" per check (unset: nowhere). A group's time
+# shows in pytest's --durations as one setup; this says which checks it went to.
+TIMES_ENV = "MEGATRON_FSDP_TEST_TIMES"
 Params = Mapping[str, Sequence[object]]  # parameter name -> the values a check runs with
 
 
@@ -166,6 +170,14 @@ def _write_results(out_dir: str, rank: int, results: dict[str, dict[str, str | N
     os.replace(tmp, os.path.join(out_dir, f"rank{rank}.json"))
 
 
+def _record_time(rank: int, world_size: int, what: str, seconds: float) -> None:
+    """Append rank 0's time of a passed check to ``$MEGATRON_FSDP_TEST_TIMES`` (where the suite's time goes)."""
+    path = os.environ.get(TIMES_ENV)
+    if path and rank == 0:
+        with open(path, "a") as f:
+            f.write(f"{seconds:8.2f} {world_size} {what}\n")
+
+
 def _group_counts() -> list[int]:
     """Every rank's count of process groups created so far, in rank order (a collective: a barrier too)."""
     mine = torch.tensor([dist.distributed_c10d._world.group_count], dtype=torch.int64, device=device())
@@ -201,8 +213,10 @@ def _worker(rank: int, world_size: int, port: int, suites: list[tuple[str, str]]
                 print(f"[rank {rank}] {suite}: {name}", file=sys.stderr, flush=True)  # shown on failure
                 torch.manual_seed(1234)
                 faulthandler.dump_traceback_later(WATCHDOG_S)
+                started = time.perf_counter()
                 fn()
                 results[suite][name] = None
+                _record_time(rank, world_size, f"{suite}: {name}", time.perf_counter() - started)
             except Exception:  # reported per check by pytest
                 results[suite][name] = traceback.format_exc()
             except BaseException:  # SystemExit, or KeyboardInterrupt (SIGINT): spawn's wrapper exits 0 on
