@@ -228,7 +228,10 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
                                  "at any TP size: what the flag guarantees in Megatron"),
     "--fp8-format": ("stops", "FP8 needs TransformerEngine on CUDA"),
     "--fp8-recipe": ("stops", "with --fp8-format only (its default, delayed, is accepted)"),
-    "--fp8-param-gather": ("stops", "FP8 parameters need TransformerEngine on CUDA"),
+    "--fp8-param-gather": ("stops", "FP8 parameters need TransformerEngine on CUDA, and the gather of "
+                           "TransformerEngine's FP8 parameters is not built; checked first: needs --fp8-format, and "
+                           "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params (ZeRO-3 only, "
+                           "as Megatron-FSDP)"),
     "--use-precision-aware-optimizer": ("stops", "TransformerEngine's FusedAdam; not available here"),
     "--main-grads-dtype": ("stops", "values other than fp32 need --use-precision-aware-optimizer"),
     "--main-params-dtype": ("stops", "values other than fp32 need --use-precision-aware-optimizer"),
@@ -261,7 +264,8 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
                                         "follows it; another value stops"),
     "--suggested-communication-unit-size": ("no-op", "each FSDP unit is one collective here "
                                             "(DistributedDataParallelConfig.suggested_communication_unit_size)"),
-    "--keep-fp8-transpose-cache": ("stops", "FP8 transpose caches need TransformerEngine FP8 parameters"),
+    "--keep-fp8-transpose-cache": ("stops", "FP8 transpose caches need TransformerEngine FP8 parameters: "
+                                   "--fp8-param-gather first"),
     "--enable-full-sharding-in-hsdp": ("effect", "an alias of --outer-dp-sharding-strategy optim (main weights and "
                                        "optimizer state sharded over all data-parallel ranks under HSDP)"),
     "--create-all-gather-group": ("no-op", "all-gathers and reduce-scatters run on one stream of one gloo/NCCL group "
@@ -405,16 +409,13 @@ def _given(args: argparse.Namespace, flag: str) -> bool:
 
 
 def _check_stops(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
+    _check_fp8(args, fail)
     for flag, on in (
-        ("--fp8-format", args.fp8 is not None),
-        ("--fp8-recipe", args.fp8_recipe != "delayed" and args.fp8 is None),
-        ("--fp8-param-gather", args.fp8_param_gather),
         ("--use-precision-aware-optimizer", args.use_precision_aware_optimizer),
         ("--main-grads-dtype", args.main_grads_dtype != "fp32"),
         ("--main-params-dtype", args.main_params_dtype != "fp32"),
         ("--overlap-moe-expert-parallel-comm", args.overlap_moe_expert_parallel_comm),
         ("--delay-wgrad-compute", args.delay_wgrad_compute),
-        ("--keep-fp8-transpose-cache", args.keep_fp8_transpose_cache),
     ):
         if on:
             fail(f"{flag} is not supported by this front-end: {FLAG_STATUS[flag][1]}")
@@ -430,6 +431,46 @@ def _check_stops(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
             fail(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
     if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
         fail("--lr-decay-style WSD needs --lr-wsd-decay-iters (the annealing iterations)")
+
+
+def _check_fp8(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
+    """The FP8 flags: first the combinations Megatron-FSDP allows, then what this front-end cannot run.
+
+    Megatron-FSDP (its README): FP8 parameters come from a TransformerEngine FP8 recipe (``--fp8-format``)
+    and exist under ZeRO-3 only (``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params``);
+    ``--keep-fp8-transpose-cache`` keeps the transposes of those parameters, so it needs them. A valid
+    combination still stops: without TransformerEngine on CUDA it cannot run at all, and with them the path
+    that gathers TransformerEngine's FP8 parameters is not built (docs/mixed_precision.md says why).
+    """
+    import torch  # here: the flag tables above are read without torch (docs, tests)
+
+    fp8, param_gather, transpose = args.fp8 is not None, args.fp8_param_gather, args.keep_fp8_transpose_cache
+    if args.fp8_recipe != "delayed" and not fp8:
+        fail(f"--fp8-recipe is not supported by this front-end: {FLAG_STATUS['--fp8-recipe'][1]}")
+    if not (fp8 or param_gather or transpose):
+        return
+    if transpose and not param_gather:
+        fail("--keep-fp8-transpose-cache keeps the transposes of FP8 parameters: it needs --fp8-param-gather")
+    if param_gather:
+        if not fp8:
+            fail("--fp8-param-gather needs --fp8-format (e4m3 or hybrid): the FP8 parameters are quantized by a "
+                 "TransformerEngine FP8 recipe (--fp8-recipe)")
+        strategy = args.data_parallel_sharding_strategy
+        if not args.use_megatron_fsdp or strategy != "optim_grads_params":
+            fail("--fp8-param-gather is ZeRO-3 only here, as in Megatron-FSDP: pass --use-megatron-fsdp "
+                 f"--data-parallel-sharding-strategy optim_grads_params (got --data-parallel-sharding-strategy "
+                 f"{strategy}{'' if args.use_megatron_fsdp else ' without --use-megatron-fsdp'})")
+    flag = "--fp8-param-gather" if param_gather else "--fp8-format"
+    missing = [what for what, absent in (("TransformerEngine (pip install transformer-engine)",
+                                          not transformer_engine_available()),
+                                         ("CUDA", not torch.cuda.is_available())) if absent]
+    if missing:
+        fail(f"{flag} is not supported by this front-end: {FLAG_STATUS[flag][1]}; this machine lacks "
+             f"{' and '.join(missing)}")
+    fail(f"{flag} is not supported by this front-end yet: building the model under TransformerEngine's "
+         "quantized_model_init and gathering its FP8 parameters is not built (docs/mixed_precision.md, "
+         "'TransformerEngine FP8 parameters'); use MixedPrecisionPolicy(gather_format='mxfp8') or gather_dtype "
+         "through the library for a float8 weight all-gather")
 
 
 def _check_torch_fsdp2(args: argparse.Namespace, fail: Callable[[str], None]) -> None:

@@ -80,6 +80,20 @@ def validate_ddp_config(config: object) -> None:
         value = getattr(config, name, None)
         if value is not None and (not isinstance(value, int) or value <= 0):
             raise ValueError(f"DistributedDataParallelConfig.{name} must be a positive int or None, got {value!r}")
+    # Megatron-FSDP's FP8 parameters (its README): ZeRO-3 only; the transpose cache and the MXFP8
+    # gather-buffer reuse exist only for them. Checked before any "rejected" status: a combination
+    # Megatron-FSDP itself refuses is an error whatever this engine supports.
+    if getattr(config, "fp8_param_gather", False) and strategy != "optim_grads_params":
+        raise ValueError(
+            "DistributedDataParallelConfig.fp8_param_gather=True needs data_parallel_sharding_strategy="
+            f"'optim_grads_params' (FP8 parameters are ZeRO-3 only in Megatron-FSDP), got {strategy!r}"
+        )
+    for name in ("keep_fp8_transpose_cache", "reuse_grad_buf_for_mxfp8_param_ag"):
+        if getattr(config, name, False) and not getattr(config, "fp8_param_gather", False):
+            raise ValueError(
+                f"DistributedDataParallelConfig.{name}=True applies to FP8 parameters only: it needs "
+                "fp8_param_gather=True"
+            )
 
 
 # What the Megatron adapter (megatron_fsdp.mcore.FullyShardedDataParallel) does with each field.
@@ -118,7 +132,12 @@ DDP_CONFIG_STATUS: dict[str, tuple[str, str]] = {
         "rejected", "fp32 accumulation inside the reduce-scatter is not implemented; use grad_reduce_in_fp32=True",
     ),
     "average_in_collective": ("mapped", "fully_shard_model(average_in_collective=...)"),
-    "fp8_param_gather": ("rejected", "FP8 parameter all-gather needs TransformerEngine FP8 parameters (not supported)"),
+    "fp8_param_gather": (
+        "rejected",
+        "FP8 parameter all-gather needs TransformerEngine FP8 parameters, whose gather is not built (their FSDP2 "
+        "hooks read PyTorch FSDP2's private module state; docs/mixed_precision.md). For a float8 weight all-gather "
+        "use MixedPrecisionPolicy(gather_format='mxfp8') or gather_dtype, or torchao's float8 training",
+    ),
     "reuse_grad_buf_for_mxfp8_param_ag": (
         "rejected", "MXFP8 parameter all-gather needs TransformerEngine (not supported)",
     ),
@@ -162,15 +181,18 @@ def check_adapter_options(config: object) -> None:
     megatron-core adds that are not in the table are left to megatron-core.
     """
     validate_ddp_config(config)
+    rejected = []
     for name, (status, why) in DDP_CONFIG_STATUS.items():
         value = getattr(config, name, _DEFAULTS[name])
         if value == _DEFAULTS[name] or name == "align_param_gather":
             continue
-        if status == "rejected":
-            raise NotImplementedError(f"DistributedDataParallelConfig.{name}={value!r} is not supported: {why}")
+        if status == "rejected":  # all of them named at once (fp8_param_gather comes with its dependents)
+            rejected.append(f"DistributedDataParallelConfig.{name}={value!r} is not supported: {why}")
         if status == "no effect":
             warnings.warn(f"DistributedDataParallelConfig.{name}={value!r} has no effect with megatron_fsdp: {why}",
                           UserWarning, stacklevel=3)
+    if rejected:
+        raise NotImplementedError("; ".join(rejected))
     if getattr(config, "use_distributed_optimizer", False) and config.data_parallel_sharding_strategy == "no_shard":
         warnings.warn(
             "DistributedDataParallelConfig.use_distributed_optimizer=True with data_parallel_sharding_strategy="

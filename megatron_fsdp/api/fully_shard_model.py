@@ -233,6 +233,13 @@ def fully_shard_model(
     flags = {name: value for name, value in locals().items() if name in _FLAG_OPTIONS}
     for name, value in flags.items():
         _check_flag(name, value)
+    if keep_fp8_transpose_cache and zero_dp_strategy not in (3, "optim_grads_params"):
+        # Megatron-FSDP keeps FP8 parameters under ZeRO-3 only: an invalid combination, whatever is supported
+        raise ValueError(
+            f"fully_shard_model(keep_fp8_transpose_cache=True): FP8 parameters are ZeRO-3 only (Megatron-FSDP), so "
+            f"their transpose cache needs zero_dp_strategy=3 ('optim_grads_params'), got {zero_dp_strategy!r}"
+        )
+    for name, value in flags.items():
         if value and name in _REJECTED:
             raise NotImplementedError(f"fully_shard_model({name}=True): {_REJECTED[name]}")
     if expt_device_mesh is not None and not isinstance(expt_device_mesh, DeviceMesh):

@@ -88,7 +88,22 @@ def gather_extension(tensor: torch.Tensor) -> type | None:
             f"{type(local).__name__} defines only one of fsdp_pre_all_gather and fsdp_post_all_gather; "
             "FSDP2's all-gather extension needs both"
         )
+    if pre and type(local).__module__.split(".")[0] == "transformer_engine":
+        raise NotImplementedError(_TE_QUANTIZED_PARAMS.format(cls=type(local).__name__))
     return type(local) if pre else None
+
+
+# Why TransformerEngine's quantized parameters (quantized_model_init / fp8_model_init, Megatron's
+# --fp8-param-gather) are refused rather than gathered through their hooks: TE 2.x's hooks read PyTorch
+# FSDP2's private module state and the parameter's storage is the FP8 data itself (docs/mixed_precision.md).
+_TE_QUANTIZED_PARAMS = (
+    "TransformerEngine's quantized parameter class {cls} (a model built under quantized_model_init / "
+    "fp8_model_init, Megatron's --fp8-param-gather) is not supported by fully_shard yet: its "
+    "fsdp_pre_all_gather reads PyTorch FSDP2's private module state (_get_module_fsdp_state(module)."
+    "_fsdp_param_group) and its storage is the FP8 data, not high-precision main weights. Build the model "
+    "without quantized_model_init (TransformerEngine's autocast still computes in FP8) and gather float8 with "
+    "MixedPrecisionPolicy(gather_format='mxfp8') or gather_dtype"
+)
 
 
 @dataclass(eq=False)

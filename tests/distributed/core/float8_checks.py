@@ -231,6 +231,72 @@ def mxfp8_gather_matches_torchao_trains_and_moves_a_quarter_plus_scales() -> Non
               f"{[f'{r:.1e}' for r in rel]}")
 
 
+# bf16 compute: the loss against the unquantized bf16 run's and the fp32 run's, relative, stated before
+# measuring: the same bounds as fp32 compute's above (MXFP8's rounding, up to 2**-4 per weight and 1/8
+# at a saturated block maximum, dominates bf16's 2**-9 per operation, which both bf16 runs share).
+MXFP8_BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, gather_format="mxfp8")
+
+
+@check(SUITE)
+def mxfp8_gather_with_bf16_compute_matches_torchao() -> None:
+    """``MixedPrecisionPolicy(param_dtype=bf16, gather_format="mxfp8")``: every weight a module computes with is
+    bf16 and equals, bitwise, torchao's ``MXTensor.to_mx(full, e4m3, 32).dequantize(torch.bfloat16)`` of the fp32
+    main weight (the same as dequantizing to fp32 and casting: e4m3 times a power of two is exact in fp32), or
+    the per-tensor round trip cast to bf16 for the parameters without whole blocks; training's loss stays within
+    ``MX_LOSS_RTOL_FIRST`` / ``MX_LOSS_RTOL`` of the unquantized bf16 run's and of the fp32 run's; the gather
+    moves half of bf16's bytes (1 byte per element instead of 2), plus the block scales."""
+    rank, n = world()
+    losses, gathered = {}, {}
+    for name, policy in (("fp32", None), ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+                         ("mxfp8", MXFP8_BF16)):
+        model = shard(mx_blocks(), mp_policy=policy)
+        main = {(id(m), k): p for m in model.modules() for k, p in m._parameters.items() if p is not None}
+        seen = []
+        for module in model.modules():
+            if module._parameters:
+                module.register_forward_pre_hook(lambda m, _a, seen=seen: seen.extend(
+                    (m, k, p.detach().clone()) for k, p in m._parameters.items() if p is not None))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        losses[name] = []
+        for step in range(STEPS):
+            seen.clear()
+            comm_stats.reset()
+            loss = model(batch(step, rank, n)).float().square().mean()
+            loss.backward()
+            if step == 0:
+                gathered[name] = dict(comm_stats.bytes)
+            if name == "mxfp8":  # before the step changes the main weights
+                kinds = set()
+                for module, key, value in seen:
+                    full = main[(id(module), key)].full_tensor()
+                    assert value.dtype == torch.bfloat16, (key, value.dtype)
+                    mx = full.shape[-1] % 32 == 0
+                    if mx:
+                        reference = MXTensor.to_mx(full.contiguous(), torch.float8_e4m3fn, block_size=32)
+                        assert torch.equal(reference.dequantize(torch.bfloat16), mx_reference(full).bfloat16())
+                        mx = torch.equal(value, reference.dequantize(torch.bfloat16))
+                    assert mx or torch.equal(value, per_tensor_reference(full).bfloat16()), f"step {step} {key}"
+                    kinds.add((tuple(full.shape), mx))
+                assert {((128, 64), True), ((64, 128), True), ((40, 64), True), ((64, 40), False), ((40,), False)
+                        } <= kinds, kinds
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.detach())
+    got = torch.stack(losses["mxfp8"])
+    for ref_name in ("bf16", "fp32"):
+        ref = torch.stack(losses[ref_name])
+        assert torch.isfinite(got).all() and ((got - ref).abs() <= MX_LOSS_RTOL * ref.abs()).all(), (ref_name, got, ref)
+        assert (got[0] - ref[0]).abs() <= MX_LOSS_RTOL_FIRST * ref[0].abs(), (ref_name, got, ref)
+    mx, bf16 = gathered["mxfp8"], gathered["bf16"]
+    assert 2 * mx["all_gather"] == bf16["all_gather"] and mx[BLOCK_SCALE_KIND] > 0, (mx, bf16)
+    if rank == 0:
+        rel = {r: [f"{x:.1e}" for x in ((got - torch.stack(losses[r])).abs() / torch.stack(losses[r]).abs()).tolist()]
+               for r in ("bf16", "fp32")}
+        print(f"mxfp8 gather with bf16 compute, n={n}: bytes/step {bf16['all_gather']} (bf16) -> {mx['all_gather']} "
+              f"+ {mx[BLOCK_SCALE_KIND]} scales + {mx.get(SCALE_KIND, 0)} per-tensor amax; relative loss difference "
+              f"per step vs bf16 {rel['bf16']}, vs fp32 {rel['fp32']}")
+
+
 @check(SUITE, world_sizes=(2,))
 def float8_zero2_parity_and_full_state_dict_round_trip() -> None:
     """ZeRO-2 (no weight gather: torchao casts in forward) equals DDP bitwise; a full state dict holds the
@@ -274,9 +340,12 @@ def sub_mesh(size: int) -> DeviceMesh:
 
 def build(recipe: str, mesh: DeviceMesh) -> tuple[nn.Sequential, torch.optim.Optimizer]:
     """A freshly built float8 model on ``mesh`` and its AdamW: torchao's float8 training
-    (``recipe="torchao"``) or the native ``gather_dtype`` gather (``recipe="gather_dtype"``)."""
+    (``recipe="torchao"``), the native ``gather_dtype`` gather (``recipe="gather_dtype"``) or the MXFP8 gather
+    with bf16 compute (``recipe="mxfp8"``, ``mx_blocks()``: block-scaled weights and per-tensor fallbacks)."""
     if recipe == "torchao":
         model = shard(float8(blocks()), mesh=mesh)
+    elif recipe == "mxfp8":
+        model = shard(mx_blocks(), mesh=mesh, mp_policy=MXFP8_BF16)
     else:
         model = shard(blocks(), mesh=mesh, mp_policy=MixedPrecisionPolicy(gather_dtype=torch.float8_e4m3fn))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -328,7 +397,7 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.
     return out
 
 
-@check(SUITE, params={"recipe": ["torchao", "gather_dtype"]})
+@check(SUITE, params={"recipe": ["torchao", "gather_dtype", "mxfp8"]})
 def float8_dcp_resume_is_bitwise(recipe: str) -> None:
     """A sharded DCP checkpoint of a float8 model (model and optimizer) loads into a freshly built one
     whose training goes on bitwise as the uninterrupted run's (losses and weights); the checkpoint's
@@ -377,7 +446,7 @@ def float8_dcp_resume_is_bitwise(recipe: str) -> None:
               "bitwise equal to the uninterrupted run's")
 
 
-@check(SUITE, world_sizes=(4,), params={"recipe": ["torchao", "gather_dtype"], "ranks": ["4->2", "2->4"]})
+@check(SUITE, world_sizes=(4,), params={"recipe": ["torchao", "gather_dtype", "mxfp8"], "ranks": ["4->2", "2->4"]})
 def float8_dcp_reshards_across_world_sizes(recipe: str, ranks: str) -> None:
     """Saved on one number of ranks, loaded on another: the loaded weights and moments equal the saved
     ones bitwise, and training goes on bitwise as a model that got the same state through the full

@@ -142,7 +142,11 @@ def bad_configs_name_the_field() -> None:
     base = tiny_gpt()
     expect_error(ValueError, "use_megatron_fsdp=True", lambda: FullyShardedDataParallel(
         model_config(), DistributedDataParallelConfig(), copy.deepcopy(base)))
-    expect_error(NotImplementedError, "fp8_param_gather", lambda: adapter("optim", base, fp8_param_gather=True))
+    # FP8 parameters are ZeRO-3 only (Megatron-FSDP): refused as invalid elsewhere, as not built under ZeRO-3
+    expect_error(ValueError, ("fp8_param_gather=True", "ZeRO-3 only", "'optim'"),
+                 lambda: adapter("optim", base, fp8_param_gather=True))
+    expect_error(NotImplementedError, ("fp8_param_gather=True", "TransformerEngine"),
+                 lambda: adapter("optim_grads_params", base, fp8_param_gather=True))
     expect_error(NotImplementedError, "disable_bucketing=True", lambda: FullyShardedDataParallel(
         model_config(), DistributedDataParallelConfig(use_megatron_fsdp=True), copy.deepcopy(base),
         disable_bucketing=True))

@@ -158,9 +158,51 @@ def test_ddp_config_defaults_pass_silently() -> None:
         check_adapter_options(DistributedDataParallelConfig(use_megatron_fsdp=True, align_param_gather=True))
 
 
+# What a valid (Megatron-FSDP) combination of each FP8 field needs: FP8 parameters are ZeRO-3 only, and
+# the transpose cache and the MXFP8 buffer reuse exist only for them.
+FP8_VALID = {
+    "fp8_param_gather": {"data_parallel_sharding_strategy": "optim_grads_params"},
+    "keep_fp8_transpose_cache": {"data_parallel_sharding_strategy": "optim_grads_params", "fp8_param_gather": True},
+    "reuse_grad_buf_for_mxfp8_param_ag": {"data_parallel_sharding_strategy": "optim_grads_params",
+                                          "fp8_param_gather": True},
+}
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+def test_fp8_param_gather_is_zero3_only(strategy: str) -> None:
+    with pytest.raises(ValueError, match=r"fp8_param_gather=True needs data_parallel_sharding_strategy="
+                                         rf"'optim_grads_params' \(FP8 parameters are ZeRO-3 only in Megatron-FSDP\), "
+                                         rf"got '{strategy}'"):
+        DistributedDataParallelConfig(use_megatron_fsdp=True, fp8_param_gather=True,
+                                      data_parallel_sharding_strategy=strategy)
+
+
+@pytest.mark.parametrize("name", ["keep_fp8_transpose_cache", "reuse_grad_buf_for_mxfp8_param_ag"])
+def test_fp8_parameter_options_need_fp8_param_gather(name: str) -> None:
+    with pytest.raises(ValueError, match=rf"{name}=True applies to FP8 parameters only: it needs fp8_param_gather"):
+        DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
+                                      **{name: True})
+
+
+def test_fp8_param_gather_valid_combination_is_rejected_naming_every_field() -> None:
+    config = DistributedDataParallelConfig(use_megatron_fsdp=True, keep_fp8_transpose_cache=True,
+                                           **FP8_VALID["keep_fp8_transpose_cache"])
+    with pytest.raises(NotImplementedError) as info:
+        check_adapter_options(config)
+    message = str(info.value)
+    for name in ("fp8_param_gather", "keep_fp8_transpose_cache"):
+        assert f"DistributedDataParallelConfig.{name}=True is not supported: {DDP_CONFIG_STATUS[name][1]}" in message
+
+
+def test_keep_fp8_transpose_cache_is_zero3_only_in_fully_shard_model() -> None:
+    for strategy in (0, 1, 2, "optim", "optim_grads", "no_shard"):
+        with pytest.raises(ValueError, match=r"\(keep_fp8_transpose_cache=True\): FP8 parameters are ZeRO-3 only"):
+            fully_shard_model(nn.Linear(2, 2), keep_fp8_transpose_cache=True, zero_dp_strategy=strategy)
+
+
 @pytest.mark.parametrize("name", sorted(n for n, (s, _) in DDP_CONFIG_STATUS.items() if s == "rejected"))
 def test_rejected_ddp_config_field_raises_naming_it(name: str) -> None:
-    config = DistributedDataParallelConfig(use_megatron_fsdp=True, **{name: True})
+    config = DistributedDataParallelConfig(use_megatron_fsdp=True, **{**FP8_VALID.get(name, {}), name: True})
     with pytest.raises(NotImplementedError, match=rf"DistributedDataParallelConfig\.{name}=True is not supported"):
         check_adapter_options(config)
 

@@ -97,7 +97,14 @@ def _validated(argv: list[str], world: int = 2):
     (["--tokenizer-type", "ByteTokenizer", "--vocab-file", "v.json"],
      "--vocab-file is read only by --tokenizer-type GPT2BPETokenizer, not by --tokenizer-type ByteTokenizer"),
     (["--fp8-format", "e4m3"], "--fp8-format is not supported by this front-end: FP8 needs TransformerEngine"),
-    (["--fp8-param-gather"], "--fp8-param-gather is not supported"),
+    (["--fp8-param-gather"], "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)"),
+    (["--fp8-format", "e4m3", "--fp8-param-gather"],
+     "--fp8-param-gather is ZeRO-3 only here, as in Megatron-FSDP: pass --use-megatron-fsdp "
+     "--data-parallel-sharding-strategy optim_grads_params (got --data-parallel-sharding-strategy no_shard without "
+     "--use-megatron-fsdp)"),
+    (["--fp8-format", "hybrid", "--fp8-param-gather", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+      "optim_grads"], "(got --data-parallel-sharding-strategy optim_grads)"),
+    (["--fp8-recipe", "mxfp8"], "--fp8-recipe is not supported by this front-end: with --fp8-format only"),
     (["--use-torch-fsdp2", "--use-megatron-fsdp"], "--use-torch-fsdp2 cannot be combined with --use-megatron-fsdp"),
     (["--use-torch-fsdp2", "--use-distributed-optimizer"],
      "--use-torch-fsdp2 cannot be combined with --use-distributed-optimizer"),
@@ -109,7 +116,8 @@ def _validated(argv: list[str], world: int = 2):
     (["--main-grads-dtype", "bf16"], "--main-grads-dtype is not supported"),
     (["--delay-wgrad-compute"], "--delay-wgrad-compute is not supported"),
     (["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm is not supported"),
-    (["--keep-fp8-transpose-cache"], "--keep-fp8-transpose-cache is not supported"),
+    (["--keep-fp8-transpose-cache"], "--keep-fp8-transpose-cache keeps the transposes of FP8 parameters: it needs "
+                                      "--fp8-param-gather"),
     (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine needs TransformerEngine"),
     (["--ckpt-format", "torch_dcp"], "--ckpt-format torch_dcp is Megatron-LM's format for --use-torch-fsdp2"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"],
@@ -131,6 +139,30 @@ def test_flags_that_cannot_act_stop_naming_the_flag(argv, message):
     with pytest.raises(ArgumentError) as info:
         _validated(argv)
     assert message in str(info.value), str(info.value)
+
+
+FP8_PARAM_GATHER_ZERO3 = ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-param-gather", "--use-megatron-fsdp",
+                          "--data-parallel-sharding-strategy", "optim_grads_params", "--keep-fp8-transpose-cache"]
+
+
+def test_fp8_param_gather_valid_combination_stops_naming_what_it_needs():
+    """A valid --fp8-param-gather combination (ZeRO-3, a recipe) still stops at start-up: without TransformerEngine
+    on CUDA naming what this machine lacks, with them saying the TransformerEngine FP8 gather is not built."""
+    import torch
+
+    with pytest.raises(ArgumentError) as info:
+        _validated(FP8_PARAM_GATHER_ZERO3)
+    message = str(info.value)
+    missing = [what for what, absent in (("TransformerEngine", not _te_installed()),
+                                         ("CUDA", not torch.cuda.is_available())) if absent]
+    if missing:
+        assert message.startswith("--fp8-param-gather is not supported by this front-end: FP8 parameters need "
+                                  "TransformerEngine on CUDA"), message
+        lacks = message.partition("; this machine lacks ")[2]
+        assert lacks and all(what in lacks for what in missing), message
+    else:
+        assert "--fp8-param-gather is not supported by this front-end yet" in message, message
+        assert "quantized_model_init" in message, message
 
 
 def _te_installed() -> bool:
