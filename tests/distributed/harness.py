@@ -362,16 +362,17 @@ def pytest_suite(checks_module, world_sizes: tuple[int, ...] = (2, 4), group: st
     """A module-scoped fixture and a parametrized test that run ``checks_module``'s suite.
 
     Use as ``results, test_<name> = pytest_suite(<checks module>)`` in a test file. Suites of one
-    ``group`` (default: the checks module's package, e.g. ``tests.distributed.core``) share their
-    launches: the first of them to run at a world size runs, in one spawned group, every suite of the
-    group that has a test selected at that world size in this pytest session, so a whole directory
-    costs one launch per world size and a single file (or ``-k``) still runs only what it selects.
+    ``group`` share their launches: the first of them to run at a world size runs, in one spawned group,
+    every suite of the group that has a test selected at that world size in this pytest session, so
+    ``tests/distributed`` costs one launch per world size and a single file (or ``-k``) still runs only
+    what it selects. The default group is the checks module's top two packages (``tests.distributed``,
+    ``tests.docs``); a suite that must not share its processes names a group of its own.
     """
     import pytest  # here, not at the top: the spawned ranks import this module and never need pytest
 
     suite = checks_module.SUITE
     module = checks_module.__name__
-    group = group or module.rpartition(".")[0]
+    group = group or ".".join(module.split(".")[:2])
 
     @pytest.fixture(scope="module", params=list(world_sizes))
     def results(request):
