@@ -463,18 +463,21 @@ def model_choice_names_the_cause() -> None:
         assert args_for(*flags).model_provider == "mcore", f"megatron-core's MoELayer runs {flags}"
     for backend in (["--use-megatron-fsdp"], ["--use-torch-fsdp2"]):
         assert args_for("--bf16", *backend).model_provider == "mcore", f"--bf16 with {backend} runs megatron-core"
-    # megatron-core's MoELayer under TP: with --sequence-parallel and whole experts (--expert-tensor-parallel-size 1)
+    # megatron-core's MoELayer under TP: with --sequence-parallel, experts split over the expert TP group (Megatron's
+    # default: the TP size); whole experts (--expert-tensor-parallel-size 1) only under expert parallelism
     moe_tp = ["--num-experts", "2", "--no-bias-gelu-fusion", "--tensor-model-parallel-size", "2"]
     for flags, cause in (([], "without --sequence-parallel"),
-                         (["--sequence-parallel"], "pass --expert-tensor-parallel-size 1")):
+                         (["--sequence-parallel", "--expert-tensor-parallel-size", "1"],
+                          "needs --expert-model-parallel-size > 1")):
         try:
             args_for(*moe_tp, *flags)
         except ArgumentError as error:
             assert cause in str(error), error
         else:
             raise AssertionError(f"MoE at TP2 with {flags} should stop")
-    tp_moe = args_for(*moe_tp, "--sequence-parallel", "--expert-tensor-parallel-size", "1")
+    tp_moe = args_for(*moe_tp, "--sequence-parallel")
     assert tp_moe.model_provider == "mcore" and tp_moe.sequence_parallel, vars(tp_moe)
+    assert tp_moe.expert_tensor_parallel_size == 2 and tp_moe.expert_data_parallel_size == 1, vars(tp_moe)
     config = transformer_config_from_args(model_args("--swiglu", "--normalization", "RMSNorm", "--num-query-groups",
                                                      "2", "--untie-embeddings-and-output-weights"))
     assert config.gated_linear_unit and config.normalization == "RMSNorm" and config.use_cpu_initialization
@@ -591,6 +594,69 @@ def moe_tensor_parallel_2_sequence_parallel_expert_parallel_2_equals_megatron_co
                                                expt_device_mesh=expt_mesh)
             got = train_wrapped(wrapped, after_sync=lambda m: allreduce_sequence_parallel_grads(m.parameters(), tp))
             assert_same(f"MoE TP2+SP EP2 {strategy}", got, reference)
+    finally:
+        parallel_state.destroy_model_parallel()
+        initialize_mcore_parallel(model_args(), seed=1)
+
+
+# Expert tensor parallelism (megatron-core's expert_tensor_parallel_size): (TP, expert TP, EP) per world size,
+# Megatron's default ETP = TP, under sequence parallelism. At EP1 megatron-core marks experts as dense parameters
+# (allreduce=True: the expert TP group must then be the TP group, the front-end refuses others) and our engine
+# shards them over the dense mesh; at EP2 over the expert mesh (expert DP 1 at 4 ranks).
+EXPERT_TP_LAYOUTS = {2: ((2, 2, 1),), 4: ((2, 2, 2),)}
+
+
+@check(SUITE)
+def moe_expert_tensor_parallel_equals_megatron_core_ddp() -> None:
+    """megatron-core's MoELayer with expert tensor parallelism (each expert's fc1/fc2 split over megatron-core's
+    expert-TP group: real TP slices, tensor_model_parallel with partition_dim, not over the dense TP group) under
+    our engine, experts sharded over the expert mesh (dp_shard, ep, tp) = (expert DP, EP, expert TP) in
+    megatron-core's rank order, == megatron-core DDP with the same layout and finalize_model_grads, each of the
+    four strategies, several AdamW steps, bitwise (``exact()``)."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from megatron_fsdp.parallel import TensorParallel, allreduce_sequence_parallel_grads
+
+    world = dist.get_world_size()
+    try:
+        for tp_size, etp_size, ep_size in EXPERT_TP_LAYOUTS[world]:
+            what = f"TP{tp_size} ETP{etp_size} EP{ep_size}"
+            sp = ["--sequence-parallel"] if tp_size > 1 else []
+            args = model_args("--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear",
+                              "--tensor-model-parallel-size", str(tp_size), *sp, "--expert-model-parallel-size",
+                              str(ep_size), "--expert-tensor-parallel-size", str(etp_size), "--use-megatron-fsdp")
+            model = build(args)
+            ps = parallel_state
+            edp = world // (etp_size * ep_size)
+            assert (ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
+                    ps.get_expert_model_parallel_world_size(), ps.get_expert_data_parallel_world_size()) == (
+                        tp_size, etp_size, ep_size, edp), what
+            fc1 = model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.weight
+            assert fc1.tensor_model_parallel and fc1.partition_dim == 0 and fc1.allreduce == (ep_size == 1), what
+            assert fc1.shape[0] == 2 * 24 // etp_size, f"{what}: each expert's gated fc1 split over expert TP"
+            reference = train_mcore_ddp(args, finish=lambda ddp: (finalize_model_grads([ddp]),
+                                                                    main_grads_to_grads(ddp)))
+            assert reference[1][-1] < reference[1][0], f"{what}: the loss should fall: {reference[1]}"
+            mesh = init_device_mesh("cpu", (world // tp_size, tp_size), mesh_dim_names=("dp_shard", "tp"))
+            expt_mesh = init_device_mesh("cpu", (edp, ep_size, etp_size), mesh_dim_names=("dp_shard", "ep", "tp"))
+            for dim, group in (("tp", ps.get_expert_tensor_parallel_group()),
+                               ("ep", ps.get_expert_model_parallel_group()),
+                               ("dp_shard", ps.get_expert_data_parallel_group())):
+                assert dist.get_process_group_ranks(expt_mesh.get_group(dim)) == dist.get_process_group_ranks(
+                    group), f"{what}: our expert mesh's {dim} is megatron-core's group"
+            if ep_size == 1:
+                expt_mesh = None  # dense parameters to megatron-core, and to us
+            tp = TensorParallel.from_group(ps.get_tensor_model_parallel_group(), sequence_parallel=bool(sp))
+            for strategy in STRATEGIES:
+                module = build(args)
+                ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True,
+                                                           data_parallel_sharding_strategy=strategy)
+                wrapped = FullyShardedDataParallel(module.config, ddp_config, module, device_mesh=mesh,
+                                                   expt_device_mesh=expt_mesh)
+                got = train_wrapped(wrapped,
+                                    after_sync=lambda m, tp=tp: allreduce_sequence_parallel_grads(m.parameters(), tp))
+                assert_same(f"MoE {what} {strategy}", got, reference)
+            parallel_state.destroy_model_parallel()
     finally:
         parallel_state.destroy_model_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
