@@ -306,7 +306,8 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
     "--expert-tensor-parallel-size": ("effect", "megatron-core's expert tensor parallelism (default: the TP size): "
                                       "each expert's linear layers split over the expert-TP group, expert "
                                       "parameters sharded over world / (ETP x EP) expert data-parallel ranks; "
-                                      "sizes > 1 need megatron-core's model"),
+                                      "sizes > 1 need megatron-core's model; a size other than the TP size needs "
+                                      "--expert-model-parallel-size > 1"),
 }
 
 

@@ -982,16 +982,20 @@ def _full_form(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     Written from megatron-core's own conventions, not the checkpoint code's: a TP-sharded
     parameter is all-gathered over megatron-core's TP group and reassembled by its
     ``partition_stride`` (``_initialize_affine_weight_cpu`` gives rank t pieces t, t + T, ...
-    of the full tensor cut in stride x T pieces); an expert's parameters take the global index
+    of the full tensor cut in stride x T pieces; an expert's over the expert TP group); an expert's parameters take
+    the global index
     of megatron-core's ``MoELayer.local_expert_indices`` and are all-gathered over the EP group.
     """
     from torch.distributed.tensor import DTensor
 
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
     out = {}
     for name, param in module.named_parameters():
         value = (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+        # an expert parameter (allreduce=False: under EP) is split over megatron-core's expert TP group
+        expert = not getattr(param, "allreduce", True)
+        tp_group = (parallel_state.get_expert_tensor_parallel_group() if expert
+                    else parallel_state.get_tensor_model_parallel_group())
+        tp = dist.get_world_size(tp_group)
         if tp > 1 and getattr(param, "tensor_model_parallel", False):
             parts = [torch.empty_like(value) for _ in range(tp)]
             dist.all_gather(parts, value.contiguous(), group=tp_group)
@@ -1050,8 +1054,8 @@ def megatron_core_checkpoints_resume_and_convert() -> None:
     """fsdp_dtensor checkpoints of megatron-core's GPTModel through pretrain_gpt.py, saved at 2 of 4 iterations:
     resumed at the same layout (TP2, and MoE at EP2; dropout on, Megatron's default flags) the run continues
     bitwise, with --async-save too (the same training, checkpoint and resumed losses as a synchronous save);
-    resumed at another TP, EP and data-parallel size (dropout off), the loaded parameters equal the saved ones
-    gathered to full form bitwise and the losses continue the saved run's within ``CONVERTED_RTOL``."""
+    resumed at another TP, EP, expert TP and data-parallel size (dropout off), the loaded parameters equal the
+    saved ones gathered to full form bitwise and the losses continue the saved run's within ``CONVERTED_RTOL``."""
     world = dist.get_world_size()
     other_ep = 1 if world == 2 else 4  # EP2 x EDP1 -> EP1 x EDP2 at 2 ranks; EP2 x EDP2 -> EP4 x EDP1 at 4
     # (model flags, saved layout, [(resumed layout, bitwise?)]): TP2 x DP(world/2) -> TP1 x DP(world)
@@ -1064,6 +1068,12 @@ def megatron_core_checkpoints_resume_and_convert() -> None:
         ([*CKPT_MOE], ["--expert-model-parallel-size", "2"],
          [(["--expert-model-parallel-size", "2"], True), (["--expert-model-parallel-size", str(other_ep)], False)]),
     ]
+    if world == 4:  # expert tensor parallelism, Megatron's default ETP = TP 2 with EP2 -> whole experts (ETP1) and
+        # back (at 2 ranks ETP2 needs EP1, where megatron-core's experts are dense TP slices: the dense case's path;
+        # the same-layout resume of ETP2 is the functional mlm_experts_resume's, bitwise)
+        etp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"]
+        cases += [([*CKPT_MOE, *NO_DROPOUT], etp2, [(["--expert-model-parallel-size", "2"], False)]),
+                  ([*CKPT_MOE, *NO_DROPOUT], ["--expert-model-parallel-size", "2"], [(etp2, False)])]
     runs = []  # (reference losses, full form saved at 2, resumed losses) of each case's first resume
     try:
         for flags, saved_layout, resumes in cases:
