@@ -1055,7 +1055,8 @@ def megatron_core_checkpoints_resume_and_convert() -> None:
     resumed at the same layout (TP2, and MoE at EP2; dropout on, Megatron's default flags) the run continues
     bitwise, with --async-save too (the same training, checkpoint and resumed losses as a synchronous save);
     resumed at another TP, EP, expert TP and data-parallel size (dropout off), the loaded parameters equal the
-    saved ones gathered to full form bitwise and the losses continue the saved run's within ``CONVERTED_RTOL``."""
+    saved ones gathered to full form bitwise and the losses and grad norms continue the saved run's within
+    ``CONVERTED_RTOL``."""
     world = dist.get_world_size()
     other_ep = 1 if world == 2 else 4  # EP2 x EDP1 -> EP1 x EDP2 at 2 ranks; EP2 x EDP2 -> EP4 x EDP1 at 4
     # (model flags, saved layout, [(resumed layout, bitwise?)]): TP2 x DP(world/2) -> TP1 x DP(world)
@@ -1096,10 +1097,12 @@ def megatron_core_checkpoints_resume_and_convert() -> None:
                         if bitwise:
                             assert resumed.losses[it] == reference.losses[it], (what, it, resumed.losses,
                                                                                  reference.losses)
-                        else:
-                            torch.testing.assert_close(
-                                torch.tensor(resumed.losses[it]), torch.tensor(reference.losses[it]),
-                                rtol=CONVERTED_RTOL, atol=0, msg=lambda m, w=what, i=it: f"{w} iteration {i}: {m}")
+                        else:  # the grad norm too: each parameter counted once whatever its TP / EP / ETP split
+                            for key, got, want in (("loss", resumed.losses, reference.losses),
+                                                   ("grad norm", resumed.grad_norms, reference.grad_norms)):
+                                torch.testing.assert_close(
+                                    torch.tensor(got[it]), torch.tensor(want[it]), rtol=CONVERTED_RTOL, atol=0,
+                                    msg=lambda m, w=what, i=it, k=key: f"{w} {k} at iteration {i}: {m}")
         (sync_losses, sync_saved, sync_resumed), (async_losses, async_saved, async_resumed) = runs[:2]
         assert async_losses == sync_losses, ("--async-save changed training", async_losses, sync_losses)
         _assert_same_full_form("--async-save's checkpoint vs the synchronous one", async_saved, sync_saved)
