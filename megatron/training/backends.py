@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -65,10 +66,11 @@ class DataParallelBackend(abc.ABC):
         Under sequence parallelism the TP-replicated gradients are first summed over TP.
         """
         params = [p for p in self.model.parameters() if p.grad is not None]
-        tp, ep = self.layout.tp, self.layout.ep
+        tp = self.layout.tp
         allreduce_sequence_parallel_grads(params, tp)
-        if ep.size > 1:  # expert shards are distinct across EP too: their squares are summed over EP
-            return clip_grad_norm_with_experts(params, max_norm, ep, tp)
+        if self.layout.expt_mesh is not None:  # expert shards are distinct across EP x expert TP too
+            return clip_grad_norm_with_experts(params, max_norm, self.layout.expert_norm_group, tp,
+                                               self.layout.expert_tp)
         norm = clip_grad_norm_(params, max_norm, model_parallel_group=tp.group if tp.size > 1 else None,
                                parameters_for_norm=params_for_grad_norm(params, tp))
         return float(norm)
@@ -84,13 +86,14 @@ class DataParallelBackend(abc.ABC):
 
     def _global_norm(self, holders: list[_AsGrad], norm_type: float) -> float:
         """The norm of the holders' ``grad`` over every shard and model-parallel slice, each once."""
-        tp, ep = self.layout.tp, self.layout.ep
-        if ep.size > 1:
+        tp = self.layout.tp
+        if self.layout.expt_mesh is not None:
             expert = [h for h in holders if not getattr(h, "allreduce", True)]
             dense = [h for h in holders if getattr(h, "allreduce", True)]
             parts = (get_grad_norm(params_for_grad_norm(dense, tp), norm_type,
                                    model_parallel_group=tp.group if tp.size > 1 else None),
-                     get_grad_norm(expert, norm_type, model_parallel_group=ep.group))
+                     get_grad_norm(params_for_grad_norm(expert, self.layout.expert_tp), norm_type,
+                                   model_parallel_group=self.layout.expert_norm_group))
             return float(sum(p ** norm_type for p in parts) ** (1.0 / norm_type))
         return float(get_grad_norm(params_for_grad_norm(holders, tp), norm_type,
                                    model_parallel_group=tp.group if tp.size > 1 else None))
@@ -192,22 +195,30 @@ def _gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def clip_grad_norm_with_experts(params: list[torch.Tensor], max_norm: float, ep: ExpertParallel,
-                                tp: TensorParallel | None = None) -> float:
+def clip_grad_norm_with_experts(params: list[torch.Tensor], max_norm: float,
+                                expert_group: ExpertParallel | dist.ProcessGroup | None,
+                                tp: TensorParallel | None = None, expert_tp: TensorParallel | None = None) -> float:
     """Clip by the global norm where expert parameters (``allreduce = False``) differ across EP ranks.
 
     Dense shards are summed over their data-parallel mesh, and under tensor parallelism
     over TP (TP-split slices on every TP rank, TP-replicated parameters from TP rank 0);
-    expert shards (whole experts: no expert tensor parallelism) over their expert
-    data-parallel mesh and then over the EP group, so each parameter counts once.
+    expert shards over their expert data-parallel mesh and then over ``expert_group``
+    (the EP group, or EP x expert TP: Megatron's expert tensor-and-model-parallel
+    group), expert-TP-replicated ones from expert-TP rank 0 only (``expert_tp``), so
+    each parameter counts once.
     """
+    if isinstance(expert_group, ExpertParallel):
+        expert_group = expert_group.group
     expert = {id(p) for p in params if not getattr(p, "allreduce", True)}
     dense = [p for p in params if id(p) not in expert]
     if tp is not None and tp.size > 1:
         dense_sq = get_grad_norm(params_for_grad_norm(dense, tp), model_parallel_group=tp.group) ** 2
     else:
         dense_sq = get_grad_norm(dense) ** 2
-    expert_sq = get_grad_norm([p for p in params if id(p) in expert], model_parallel_group=ep.group) ** 2
+    experts = [p for p in params if id(p) in expert]
+    if expert_tp is not None:
+        experts = params_for_grad_norm(experts, expert_tp)
+    expert_sq = get_grad_norm(experts, model_parallel_group=expert_group) ** 2
     norm = (dense_sq + expert_sq).sqrt()
     coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_ formula
     with torch.no_grad():

@@ -98,8 +98,8 @@ _LOCAL_EXPERT = re.compile(r"(^|\.)local_experts\.(\d+)\.")
 def model_parallel(args: argparse.Namespace, layout: ParallelLayout) -> ModelParallel:
     """The checkpoint's view of the layout: entries are the model's without TP and EP, whatever the sizes.
 
-    TP-sharded parameters are saved as full tensors; expert ``j`` of EP rank ``r`` is
-    saved as expert ``r * E / P + j`` (its global index), so the names do not depend on
+    TP-sharded parameters (experts' over the expert TP group) are saved as full tensors;
+    expert ``j`` of EP rank ``r`` is saved as expert ``r * E / P + j`` (its global index), so the names do not depend on
     ``--expert-model-parallel-size``.
     """
     ep = layout.ep
@@ -111,7 +111,9 @@ def model_parallel(args: argparse.Namespace, layout: ParallelLayout) -> ModelPar
         def rename(fqn: str) -> str:
             return _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}local_experts.{first + int(m.group(2))}.", fqn, count=1)
 
-    return ModelParallel(tp_size=layout.tp.size, tp_rank=layout.tp.rank, rename=rename)
+    etp = layout.expert_tp
+    return ModelParallel(tp_size=layout.tp.size, tp_rank=layout.tp.rank, rename=rename, etp_size=etp.size,
+                         etp_rank=etp.rank)
 
 
 class _AsyncSaves:

@@ -160,7 +160,7 @@ def transformer_config_from_args(args: argparse.Namespace):
         kw.update(dict.fromkeys(CPU_OFF_FUSIONS, False))
         kw["moe_grouped_gemm"] = False  # grouped_gemm / TransformerEngine are CUDA-only: one matmul per expert
         # The fused bias-activation and bias-dropout-add are TorchScript: they run on CPU, left as asked.
-    kw["expert_tensor_parallel_size"] = 1  # expert tensor parallelism is not built (initialize_mcore_parallel)
+    kw["expert_tensor_parallel_size"] = _expert_tensor_parallel_size(args)
     kw["transformer_impl"] = _arg(args, "transformer_impl", "local")
     return config_class(**{k: v for k, v in kw.items() if k in names})
 
@@ -205,6 +205,12 @@ def _megatron_layer_spec(args: argparse.Namespace, config):
     return gpt_layer_specs.get_gpt_layer_local_spec(**common, normalization=args.normalization)
 
 
+def _expert_tensor_parallel_size(args: argparse.Namespace) -> int:
+    """``--expert-tensor-parallel-size``, Megatron's default (None) being the TP size."""
+    etp = _arg(args, "expert_tensor_parallel_size", None)
+    return args.tensor_model_parallel_size if etp is None else etp
+
+
 def initialize_mcore_parallel(args: argparse.Namespace, seed: int) -> None:
     """megatron-core's ``parallel_state`` (its own TP/DP groups, Megatron's rank order) and RNG tracker.
 
@@ -217,15 +223,16 @@ def initialize_mcore_parallel(args: argparse.Namespace, seed: int) -> None:
     if cuda_absent():
         apply_cpu_compat()
     tp, ep = args.tensor_model_parallel_size, getattr(args, "expert_model_parallel_size", 1)
+    etp = _expert_tensor_parallel_size(args)
     if parallel_state.model_parallel_is_initialized() and (
             parallel_state.get_tensor_model_parallel_world_size() != tp
-            or parallel_state.get_expert_model_parallel_world_size() != ep):
+            or parallel_state.get_expert_model_parallel_world_size() != ep
+            or parallel_state.get_expert_tensor_parallel_world_size() != etp):
         parallel_state.destroy_model_parallel()  # another job of this process laid out other groups
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
-            # no expert tensor parallelism here (--expert-tensor-parallel-size 1; Megatron's default is the TP size)
-            expert_tensor_parallel_size=1,
+            expert_tensor_parallel_size=etp,  # expert TP fastest, then EP (the front-end's expert mesh agrees)
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 

@@ -307,8 +307,11 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
     "--moe-token-dispatcher-type": ("effect", "allgather (Megatron's default) and alltoall: the same routing; our "
                                     "GPT's dispatcher moves tokens by all-to-all over the expert-parallel group; "
                                     "megatron-core's model uses the dispatcher named; flex needs DeepEP and stops"),
-    "--expert-tensor-parallel-size": ("effect", "1 (and the default, which is the TP size, itself 1 with MoE) is "
-                                      "ours; other sizes stop (expert tensor parallelism is not built)"),
+    "--expert-tensor-parallel-size": ("effect", "megatron-core's expert tensor parallelism (default: the TP size): "
+                                      "each expert's linear layers split over the expert-TP group, expert "
+                                      "parameters sharded over world / (ETP x EP) expert data-parallel ranks; "
+                                      "sizes > 1 need megatron-core's model; a size other than the TP size needs "
+                                      "--expert-model-parallel-size > 1"),
 }
 
 
@@ -525,9 +528,11 @@ def _check_moe_compat(args: argparse.Namespace, fail: Callable[[str], None]) -> 
         fail(f"--moe-layer-freq lists {len(freq)} layers but --num-layers is {args.num_layers}")
     if args.moe_token_dispatcher_type == "flex":
         fail("--moe-token-dispatcher-type flex needs DeepEP (CUDA); use allgather or alltoall")
+    if args.expert_tensor_parallel_size is None:  # Megatron's validate_args: the TP size
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     etp = args.expert_tensor_parallel_size
-    if etp is not None and etp != 1:
-        fail(f"--expert-tensor-parallel-size {etp}: expert tensor parallelism is not built; use 1")
+    if etp < 1:
+        fail(f"--expert-tensor-parallel-size must be positive, got {etp}")
     if args.num_experts is None:
         return
     if isinstance(freq, list) and not any(freq):

@@ -2,8 +2,9 @@
 
 ``--num-experts E`` replaces every layer's MLP with an MoE layer of ``E`` experts
 (``megatron_fsdp.parallel.moe``); ``--expert-model-parallel-size P`` spreads them over
-``P`` ranks (Megatron's layout: consecutive ranks form an EP group), each expert sharded
-over the ``world / P`` ranks of its expert data-parallel group. docs/moe.md. With
+``P`` ranks and ``--expert-tensor-parallel-size T`` (megatron-core's model; default: the TP size)
+splits each expert's linear layers over ``T`` (Megatron's layout: expert TP fastest, then EP), each
+expert sharded over the ``world / (T x P)`` ranks of its expert data-parallel group. docs/moe.md. With
 megatron-core's model (``--model-provider mcore``) the layers are megatron-core's
 ``MoELayer`` (router options, shared experts, both dispatchers: ``mcore_model.py``).
 """
@@ -48,6 +49,9 @@ def validate_moe_args(args: argparse.Namespace, world_size: int, fail: Callable[
         fail(f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts})")
     if ep < 1 or world_size % ep:
         fail(f"--expert-model-parallel-size ({ep}) must be >= 1 and divide the world size ({world_size})")
+    if world_size % (ep * args.expert_tensor_parallel_size):
+        fail(f"--expert-model-parallel-size ({ep}) x --expert-tensor-parallel-size "
+             f"({args.expert_tensor_parallel_size}) must divide the world size ({world_size})")
     if experts % ep:
         fail(f"--num-experts ({experts}) must be divisible by --expert-model-parallel-size ({ep})")
     if args.moe_ffn_hidden_size is not None and args.moe_ffn_hidden_size <= 0:
@@ -56,16 +60,22 @@ def validate_moe_args(args: argparse.Namespace, world_size: int, fail: Callable[
         fail(f"--moe-aux-loss-coeff must be a finite number >= 0, got {args.moe_aux_loss_coeff}")
     mcore = args.model_provider == "mcore"
     ours = " on this front-end's own GPT (--model-provider gpt)"
-    tp = args.tensor_model_parallel_size
+    tp, etp = args.tensor_model_parallel_size, args.expert_tensor_parallel_size
+    if etp != tp and ep == 1:
+        # megatron-core marks expert parameters allreduce=False (reduced over the expert data-parallel group)
+        # only when expert_model_parallel_size > 1 (tensor_parallel/layers.py); at EP 1 they are reduced over the
+        # dense data-parallel group, which is not the expert one when the expert TP size differs from TP's
+        fail(f"--expert-tensor-parallel-size {etp} other than --tensor-model-parallel-size ({tp}) needs "
+             "--expert-model-parallel-size > 1: megatron-core marks experts as expert parameters (reduced over "
+             "the expert data-parallel group) only under expert parallelism, and the dense data-parallel group "
+             "would reduce other slices or miss replicas")
     unsupported = (
         (tp > 1 and not mcore, "--tensor-model-parallel-size > 1" + ours + " (it has no tensor-parallel MoE; "
          "megatron-core's model has one)"),
         (tp > 1 and mcore and not args.sequence_parallel, "--tensor-model-parallel-size > 1 without "
          "--sequence-parallel (megatron-core's MoELayer trains under TP only with sequence parallelism)"),
-        (tp > 1 and mcore and getattr(args, "expert_tensor_parallel_size", None) != 1,
-         f"--tensor-model-parallel-size {tp} and Megatron's default --expert-tensor-parallel-size (the TP size): "
-         "expert tensor parallelism is not built; pass --expert-tensor-parallel-size 1 (experts whole on each "
-         "rank, spread over --expert-model-parallel-size)"),
+        (etp > 1 and not mcore, f"--expert-tensor-parallel-size {etp}" + ours + " (its experts are whole; "
+         "megatron-core's model splits them over the expert tensor-parallel group)"),
         (args.context_parallel_size > 1, "--context-parallel-size > 1"),
         (args.calculate_per_token_loss and not mcore, "--calculate-per-token-loss" + ours + " (its auxiliary loss is "
          "scaled per micro-batch; megatron-core's model supports it)"),
@@ -77,5 +87,5 @@ def validate_moe_args(args: argparse.Namespace, world_size: int, fail: Callable[
         if not args.use_megatron_fsdp:
             fail("--expert-model-parallel-size > 1 needs --use-megatron-fsdp: DDP would average different experts "
                  "across the expert-parallel ranks")
-    args.expert_data_parallel_size = world_size // ep
+    args.expert_data_parallel_size = world_size // (ep * etp)
 

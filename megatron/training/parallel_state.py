@@ -9,11 +9,15 @@ DDP reduces over the same ranks. ``get_tensor_parallel()`` and
 ``get_context_parallel()`` offer the groups to model providers, as Megatron's
 ``parallel_state`` does.
 
-With ``--expert-model-parallel-size P`` > 1 a second mesh ``(dp_shard, ep)`` of
-``world / P`` x ``P`` ranks lays out the experts as Megatron does (expert
-parallelism fastest: ranks ``[d * P, (d + 1) * P)`` form an EP group); expert
-parameters are sharded over its ``dp_shard`` (expert data-parallel) dimension and
-``get_expert_parallel()`` offers the EP group (docs/moe.md).
+With ``--expert-model-parallel-size P`` > 1 a second mesh of ``world / (T x P)`` x ``P``
+(x ``T``) ranks, ``(dp_shard, ep)``, or ``(dp_shard, ep, tp)`` with
+``--expert-tensor-parallel-size T`` > 1, lays out the experts as Megatron
+(megatron-core's ``parallel_state``) does: expert TP fastest, then EP (ranks
+``[d * P, (d + 1) * P)`` form an EP group at ``T = 1``); expert parameters are sharded
+over its ``dp_shard`` (expert data-parallel) dimension, each expert's linear layers
+split over its ``tp`` (expert-TP) dimension, and ``get_expert_parallel()`` offers the EP
+group (docs/moe.md). At ``P = 1`` ``T`` is the TP size (megatron-core marks experts as
+expert parameters only under EP): the experts ride the dense mesh and groups.
 """
 
 from __future__ import annotations
@@ -46,11 +50,23 @@ class ParallelLayout:
     dp_rank: int
     dp_size: int
     ep: ExpertParallel = ExpertParallel.single()
-    expt_mesh: DeviceMesh | None = None  # (dp_shard, ep) with expert parallelism, else None
+    expt_mesh: DeviceMesh | None = None  # (dp_shard, ep, tp) with expert parallelism, else None
+    etp: TensorParallel | None = None  # the expert-TP group where it is not ``tp`` (the expert mesh's tp)
+    expert_model_group: dist.ProcessGroup | None = None  # EP x expert TP (Megatron's tp-ep), where > EP
 
     @property
     def grad_group_size(self) -> int:
         return self.dp_size * self.cp.size
+
+    @property
+    def expert_tp(self) -> TensorParallel:
+        """The group each expert's linear layers are split over (the dense TP group unless told otherwise)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_norm_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose expert shards differ beyond the expert data-parallel mesh: EP x expert TP."""
+        return self.expert_model_group if self.expert_model_group is not None else self.ep.group
 
 
 _TP: TensorParallel | None = None
@@ -93,12 +109,23 @@ def build_layout(args: argparse.Namespace, device: torch.device) -> ParallelLayo
             for ranks in _groups_over(dp_size * cp_size, tp_size, tp_size, world):
                 group = dist.new_group(ranks)
                 grad_group = group if rank in ranks else grad_group
-    ep, expt_mesh = ExpertParallel.single(), None
+    ep, expt_mesh, etp, expert_model_group = ExpertParallel.single(), None, None, None
     ep_size = getattr(args, "expert_model_parallel_size", 1)
+    etp_size = getattr(args, "expert_tensor_parallel_size", None) or tp_size
     if ep_size > 1:
-        expt_mesh = init_device_mesh(device.type, (world // ep_size, ep_size), mesh_dim_names=("dp_shard", "ep"))
+        if etp_size == 1:  # the mesh of expert parallelism alone (no tp dimension: its groups as before)
+            expt_mesh = init_device_mesh(device.type, (world // ep_size, ep_size), mesh_dim_names=("dp_shard", "ep"))
+            etp = TensorParallel.single()
+        else:
+            expt_mesh = init_device_mesh(device.type, (world // (ep_size * etp_size), ep_size, etp_size),
+                                         mesh_dim_names=("dp_shard", "ep", "tp"))
+            etp = TensorParallel.from_group(expt_mesh.get_group("tp"))
+            # the EP x expert-TP group (Megatron's expert tensor-and-model-parallel group)
+            expert_model_group = (expt_mesh[("ep", "tp")]._flatten("ep_tp").get_group() if ep_size > 1
+                                  else etp.group)
         ep = ExpertParallel.from_group(expt_mesh.get_group("ep"))
-    return ParallelLayout(mesh, tp, cp, dp_group, grad_group, rank // (tp_size * cp_size), dp_size, ep, expt_mesh)
+    return ParallelLayout(mesh, tp, cp, dp_group, grad_group, rank // (tp_size * cp_size), dp_size, ep, expt_mesh,
+                          etp, expert_model_group)
 
 
 def set_tensor_parallel(tp: TensorParallel) -> None:

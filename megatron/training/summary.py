@@ -38,17 +38,20 @@ def _ranks(n: int) -> str:
     return f"{n} rank" + ("s" if n != 1 else "")
 
 
-def whole_model_parameters(module: nn.Module, tp_size: int, ep_size: int) -> int:
+def whole_model_parameters(module: nn.Module, tp_size: int, ep_size: int, etp_size: int | None = None) -> int:
     """Parameters of the whole model, not of this rank's slice.
 
     A tensor-parallel parameter (``tensor_model_parallel``) is one of ``tp_size``
-    equal slices; an expert parameter (``allreduce = False``) one of ``ep_size``
+    equal slices, an expert one of ``etp_size`` (the expert TP size; default
+    ``tp_size``); an expert parameter (``allreduce = False``) one of ``ep_size``
     ranks' experts. Shapes are the unsharded ones (a DTensor's global shape).
     """
+    etp_size = tp_size if etp_size is None else etp_size
     total = 0
     for param in module.parameters():
-        factor = tp_size if getattr(param, "tensor_model_parallel", False) else 1
-        factor *= ep_size if not getattr(param, "allreduce", True) else 1
+        expert = not getattr(param, "allreduce", True)
+        factor = (etp_size if expert else tp_size) if getattr(param, "tensor_model_parallel", False) else 1
+        factor *= ep_size if expert else 1
         total += param.numel() * factor
     return total
 
@@ -82,7 +85,7 @@ def memory_plan(args: argparse.Namespace, module: nn.Module, layout: ParallelLay
         units = [UnitShape("model", tuple((n, tuple(p.shape)) for n, p in module.named_parameters()), 1, True)]
         return [plan_rank(units, layout.grad_group_size, "no_shard")]
     precision = Precision.named("bf16" if args.bf16 else "fp32")
-    units = _units(module, layout.ep.size > 1)
+    units = _units(module, layout.expt_mesh is not None)
     dense = [u for u, expert in units if not expert]
     experts = [u for u, expert in units if expert]
     instances = args.num_distributed_optimizer_instances
@@ -90,7 +93,7 @@ def memory_plan(args: argparse.Namespace, module: nn.Module, layout: ParallelLay
                        outer=instances, outer_optim=args.outer_dp_sharding_strategy == "optim",
                        precision=precision)] if dense else []
     if experts:
-        plans.append(plan_rank(experts, args.world_size // layout.ep.size, args.data_parallel_sharding_strategy,
+        plans.append(plan_rank(experts, args.expert_data_parallel_size, args.data_parallel_sharding_strategy,
                                precision=precision))
     return plans
 
@@ -106,7 +109,7 @@ def _mesh(layout: ParallelLayout) -> str:
 
 def startup_summary(args: argparse.Namespace, layout: ParallelLayout, module: nn.Module, start_iteration: int) -> str:
     """The lines printed before training (rank 0)."""
-    tp, cp, ep = layout.tp.size, layout.cp.size, layout.ep.size
+    tp, cp, ep, etp = layout.tp.size, layout.cp.size, layout.ep.size, layout.expert_tp.size
     instances = args.num_distributed_optimizer_instances
     if args.use_megatron_fsdp:
         backend = (f"megatron_fsdp {args.data_parallel_sharding_strategy} "
@@ -135,14 +138,15 @@ def startup_summary(args: argparse.Namespace, layout: ParallelLayout, module: nn
     lines = [
         f"{rule} set-up {rule}",
         f"world size: {args.world_size} = data-parallel {layout.dp_size} x context-parallel {cp} x "
-        f"tensor-parallel {tp}" + (f"; expert-parallel {ep} (experts sharded over {_ranks(args.world_size // ep)})"
-                                    if ep > 1 else ""),
+        f"tensor-parallel {tp}" + (f"; expert-parallel {ep}" + (f" x expert tensor-parallel {etp}" if etp != tp else "")
+                                    + f" (experts sharded over {_ranks(args.expert_data_parallel_size)})"
+                                    if layout.expt_mesh is not None else ""),
         f"mesh: {_mesh(layout)}",
         f"data parallelism: {backend}",
         f"batch: global {args.global_batch_size} = micro-batch {args.micro_batch_size} x data-parallel "
         f"{layout.dp_size} x {args.num_microbatches} micro-batches per step; sequence length {args.seq_length}",
-        f"parameters: {whole_model_parameters(module, tp, ep):,} (the whole model"
-        + (", over every tensor-/expert-parallel slice)" if tp * ep > 1 else ")")
+        f"parameters: {whole_model_parameters(module, tp, ep, etp):,} (the whole model"
+        + (", over every tensor-/expert-parallel slice)" if tp * ep * etp > 1 else ")")
         + f"; weights {_weights(args)}",
         f"memory estimate per rank (megatron_fsdp.plan; activations not included): {_size(resident)} "
         f"between steps ({parts}); gathered weights in forward/backward {_size(gathered)}",

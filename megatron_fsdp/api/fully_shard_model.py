@@ -206,7 +206,9 @@ def fully_shard_model(
             the outermost modules whose parameters all carry ``allreduce = False``)
             become units of their own, sharded over this mesh's ``dp_shard_cp`` or
             ``dp_shard`` dimension (a 1-D mesh: all of it), their gradients averaged
-            over the dense data-parallel size (docs/moe.md).
+            over the dense data-parallel size (docs/moe.md). Its ``ep`` and ``tp``
+            (expert tensor parallelism: slices marked ``tensor_model_parallel``)
+            dimensions are the model's own.
         zero_dp_strategy: 0-3 or ``"no_shard"``/``"optim"``/``"optim_grads"``/``"optim_grads_params"``.
         outer_dp_sharding_strategy: HSDP across ``dp_outer``: 0/``"no_shard"``.
         grad_reduce_in_fp32, preserve_fp32_weights: the precision (see
@@ -327,6 +329,8 @@ def _expert_shard_kwargs(expt_device_mesh: DeviceMesh, dense_dp_size: int, dense
 
     Expert gradients are averaged over the dense data-parallel size, as Megatron's
     (each expert already summed its EP group's tokens in backward); sums stay sums.
+    Other dimensions (``ep``; ``tp``: expert tensor parallelism, Megatron-style, each
+    rank holding its expert-TP slice as a plain tensor) are not sharded over.
     """
     names = _names(expt_device_mesh)
     dims = [d for d in ("dp_shard_cp", "dp_shard") if d in names or _is_flattened(expt_device_mesh, d)]
@@ -334,11 +338,6 @@ def _expert_shard_kwargs(expt_device_mesh: DeviceMesh, dense_dp_size: int, dense
         raise ValueError(
             f"expt_device_mesh has dimensions {names}: name its expert data-parallel dimension 'dp_shard_cp' (as "
             "Megatron-FSDP's) or 'dp_shard', or pass a 1-D mesh of the expert data-parallel ranks"
-        )
-    if "tp" in names and expt_device_mesh.size(names.index("tp")) > 1:
-        raise NotImplementedError(
-            "expt_device_mesh has a 'tp' dimension of size > 1: expert tensor parallelism is not implemented; "
-            "give the expert mesh a 'tp' dimension of size 1 (or none)"
         )
     kwargs = dict(dense, mesh=expt_device_mesh, dp_shard_dim=dims[0] if dims else None, dp_outer_dim=None,
                   outer_sharding_strategy="no_shard")

@@ -16,7 +16,8 @@ and the full export is the TP-1 model's weights.
 
 Expert parallelism renames instead of slicing: an expert's parameters are named
 by the expert's global index (the caller's ``rename``), so the names do not
-depend on the expert-parallel size.
+depend on the expert-parallel size. Expert tensor parallelism slices as TP does,
+over the expert TP group (``etp_size``): the entries are whole experts.
 
 ``ChunkedTensor`` is the DCP value of such an entry: it has the full shape and
 holds views of this rank's real (FSDP-sharded) storage, so a save writes only
@@ -46,26 +47,35 @@ class ModelParallel:
     ``tensor_model_parallel = True`` are saved as the full tensor along
     ``partition_dim``. ``rename``: parameter FQN -> checkpoint name (expert
     parallelism: local expert index -> global one); must be one-to-one.
+    ``etp_size`` / ``etp_rank``: the expert tensor-parallel group (expert
+    parameters' slices are over it).
     """
 
     tp_size: int = 1
     tp_rank: int = 0
     rename: Callable[[str], str] | None = None
+    etp_size: int = 1
+    etp_rank: int = 0
 
     def name(self, fqn: str) -> str:
         return fqn if self.rename is None else self.rename(fqn)
+
+    def group_of(self, param: torch.Tensor) -> tuple[int, int]:
+        """``(size, rank)`` of the tensor-parallel group ``param`` is split over: the expert TP group for
+        expert parameters (``allreduce = False``), the dense one otherwise."""
+        if not getattr(param, "allreduce", True):
+            return self.etp_size, self.etp_rank
+        return self.tp_size, self.tp_rank
 
     def is_sliced(self, param: torch.Tensor) -> bool:
         """True for a TP-sharded parameter (its checkpoint entry is the full tensor).
 
         Expert parameters (``allreduce = False``) are split over the expert TP group, not
-        this one: megatron-core marks them ``tensor_model_parallel`` even where that group
-        has one rank, and expert tensor parallelism is not built here (fully_shard_model
-        refuses it), so under TP they are whole experts, saved as they are.
+        the dense one: megatron-core marks them ``tensor_model_parallel`` even where that
+        group has one rank (``--expert-tensor-parallel-size 1`` under TP: whole experts,
+        saved as they are).
         """
-        if not getattr(param, "allreduce", True):
-            return False
-        return self.tp_size > 1 and bool(getattr(param, "tensor_model_parallel", False))
+        return self.group_of(param)[0] > 1 and bool(getattr(param, "tensor_model_parallel", False))
 
 
 NO_MODEL_PARALLEL = ModelParallel()
@@ -89,6 +99,7 @@ class TensorParallelSlice:
             raise ValueError(f"parameter {name}: partition_dim {dim} is not a dimension of its shape "
                              f"{tuple(param.shape)}")
         local = param.shape[dim]
+        size, rank = layout.group_of(param)
         segments = getattr(param, "partition_segments", None)
         if segments is None:
             # megatron-core's stride S: the full tensor is S equal parts, each split over TP on its own (its
@@ -97,15 +108,15 @@ class TensorParallelSlice:
             if stride < 1 or local % stride:
                 raise ValueError(f"parameter {name}: partition_stride {stride} does not divide its dimension {dim} "
                                  f"of local size {local}")
-            segments = (local * layout.tp_size // stride,) * stride
+            segments = (local * size // stride,) * stride
         else:
             segments = tuple(int(s) for s in segments)
-        if any(s % layout.tp_size for s in segments) or sum(segments) != local * layout.tp_size:
+        if any(s % size for s in segments) or sum(segments) != local * size:
             raise ValueError(
                 f"parameter {name}: partition_segments {segments} do not split its dimension {dim} of local size "
-                f"{local} into {layout.tp_size} equal tensor-parallel parts each"
+                f"{local} into {size} equal tensor-parallel parts each"
             )
-        return cls(dim, segments, layout.tp_size, layout.tp_rank)
+        return cls(dim, segments, size, rank)
 
     def full_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
         shape = list(local_shape)

@@ -235,9 +235,6 @@ REPLACED: dict[str, tuple[str, str]] = {
     "--tensor-model-parallel-size": ("--tensor-model-parallel-size 1", "with --num-experts on our own GPT only "
                                      "(its MoE has no TP); megatron-core's model keeps the TP size"),
 }
-# Added to a MoE configuration with TP > 1 on megatron-core's model where it does not set the expert TP size
-# (Megatron's default is the TP size): expert tensor parallelism is not built here, the experts stay whole.
-MCORE_MOE_TP_ADDED = "--expert-tensor-parallel-size 1"
 # megatron-core-only model flags (dropped from these runs of our own GPT; see the module docstring).
 MCORE_ONLY = (
     "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
@@ -280,10 +277,9 @@ def cpu_scaled(name: str, ckpt: str, *, drop_mcore_only: bool = True, mcore: boo
         if mcore and flag == "--calculate-per-token-loss":
             argv.append(flag)
         elif mcore and moe and flag == "--tensor-model-parallel-size":
-            # megatron-core's MoELayer under TP (with --sequence-parallel): TP kept, experts whole on each rank
+            # megatron-core's MoELayer under TP (with --sequence-parallel): TP kept, and with it Megatron's default
+            # expert TP size (the TP size: each expert split over the TP ranks)
             argv += [flag, *values]
-            if int(values[0]) > 1 and not any(p[0] == "--expert-tensor-parallel-size" for p in pieces):
-                argv += MCORE_MOE_TP_ADDED.split()
         elif flag in _MOE_ONLY and not moe:
             argv += [flag, *values]
         elif flag in REPLACED:

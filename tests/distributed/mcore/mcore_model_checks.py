@@ -463,18 +463,21 @@ def model_choice_names_the_cause() -> None:
         assert args_for(*flags).model_provider == "mcore", f"megatron-core's MoELayer runs {flags}"
     for backend in (["--use-megatron-fsdp"], ["--use-torch-fsdp2"]):
         assert args_for("--bf16", *backend).model_provider == "mcore", f"--bf16 with {backend} runs megatron-core"
-    # megatron-core's MoELayer under TP: with --sequence-parallel and whole experts (--expert-tensor-parallel-size 1)
+    # megatron-core's MoELayer under TP: with --sequence-parallel, experts split over the expert TP group (Megatron's
+    # default: the TP size); whole experts (--expert-tensor-parallel-size 1) only under expert parallelism
     moe_tp = ["--num-experts", "2", "--no-bias-gelu-fusion", "--tensor-model-parallel-size", "2"]
     for flags, cause in (([], "without --sequence-parallel"),
-                         (["--sequence-parallel"], "pass --expert-tensor-parallel-size 1")):
+                         (["--sequence-parallel", "--expert-tensor-parallel-size", "1"],
+                          "needs --expert-model-parallel-size > 1")):
         try:
             args_for(*moe_tp, *flags)
         except ArgumentError as error:
             assert cause in str(error), error
         else:
             raise AssertionError(f"MoE at TP2 with {flags} should stop")
-    tp_moe = args_for(*moe_tp, "--sequence-parallel", "--expert-tensor-parallel-size", "1")
+    tp_moe = args_for(*moe_tp, "--sequence-parallel")
     assert tp_moe.model_provider == "mcore" and tp_moe.sequence_parallel, vars(tp_moe)
+    assert tp_moe.expert_tensor_parallel_size == 2 and tp_moe.expert_data_parallel_size == 1, vars(tp_moe)
     config = transformer_config_from_args(model_args("--swiglu", "--normalization", "RMSNorm", "--num-query-groups",
                                                      "2", "--untie-embeddings-and-output-weights"))
     assert config.gated_linear_unit and config.normalization == "RMSNorm" and config.use_cpu_initialization
@@ -591,6 +594,69 @@ def moe_tensor_parallel_2_sequence_parallel_expert_parallel_2_equals_megatron_co
                                                expt_device_mesh=expt_mesh)
             got = train_wrapped(wrapped, after_sync=lambda m: allreduce_sequence_parallel_grads(m.parameters(), tp))
             assert_same(f"MoE TP2+SP EP2 {strategy}", got, reference)
+    finally:
+        parallel_state.destroy_model_parallel()
+        initialize_mcore_parallel(model_args(), seed=1)
+
+
+# Expert tensor parallelism (megatron-core's expert_tensor_parallel_size): (TP, expert TP, EP) per world size,
+# Megatron's default ETP = TP, under sequence parallelism. At EP1 megatron-core marks experts as dense parameters
+# (allreduce=True: the expert TP group must then be the TP group, the front-end refuses others) and our engine
+# shards them over the dense mesh; at EP2 over the expert mesh (expert DP 1 at 4 ranks).
+EXPERT_TP_LAYOUTS = {2: ((2, 2, 1),), 4: ((2, 2, 2),)}
+
+
+@check(SUITE)
+def moe_expert_tensor_parallel_equals_megatron_core_ddp() -> None:
+    """megatron-core's MoELayer with expert tensor parallelism (each expert's fc1/fc2 split over megatron-core's
+    expert-TP group: real TP slices, tensor_model_parallel with partition_dim, not over the dense TP group) under
+    our engine, experts sharded over the expert mesh (dp_shard, ep, tp) = (expert DP, EP, expert TP) in
+    megatron-core's rank order, == megatron-core DDP with the same layout and finalize_model_grads, each of the
+    four strategies, several AdamW steps, bitwise (``exact()``)."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from megatron_fsdp.parallel import TensorParallel, allreduce_sequence_parallel_grads
+
+    world = dist.get_world_size()
+    try:
+        for tp_size, etp_size, ep_size in EXPERT_TP_LAYOUTS[world]:
+            what = f"TP{tp_size} ETP{etp_size} EP{ep_size}"
+            sp = ["--sequence-parallel"] if tp_size > 1 else []
+            args = model_args("--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear",
+                              "--tensor-model-parallel-size", str(tp_size), *sp, "--expert-model-parallel-size",
+                              str(ep_size), "--expert-tensor-parallel-size", str(etp_size), "--use-megatron-fsdp")
+            model = build(args)
+            ps = parallel_state
+            edp = world // (etp_size * ep_size)
+            assert (ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
+                    ps.get_expert_model_parallel_world_size(), ps.get_expert_data_parallel_world_size()) == (
+                        tp_size, etp_size, ep_size, edp), what
+            fc1 = model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.weight
+            assert fc1.tensor_model_parallel and fc1.partition_dim == 0 and fc1.allreduce == (ep_size == 1), what
+            assert fc1.shape[0] == 2 * 24 // etp_size, f"{what}: each expert's gated fc1 split over expert TP"
+            reference = train_mcore_ddp(args, finish=lambda ddp: (finalize_model_grads([ddp]),
+                                                                    main_grads_to_grads(ddp)))
+            assert reference[1][-1] < reference[1][0], f"{what}: the loss should fall: {reference[1]}"
+            mesh = init_device_mesh("cpu", (world // tp_size, tp_size), mesh_dim_names=("dp_shard", "tp"))
+            expt_mesh = init_device_mesh("cpu", (edp, ep_size, etp_size), mesh_dim_names=("dp_shard", "ep", "tp"))
+            for dim, group in (("tp", ps.get_expert_tensor_parallel_group()),
+                               ("ep", ps.get_expert_model_parallel_group()),
+                               ("dp_shard", ps.get_expert_data_parallel_group())):
+                assert dist.get_process_group_ranks(expt_mesh.get_group(dim)) == dist.get_process_group_ranks(
+                    group), f"{what}: our expert mesh's {dim} is megatron-core's group"
+            if ep_size == 1:
+                expt_mesh = None  # dense parameters to megatron-core, and to us
+            tp = TensorParallel.from_group(ps.get_tensor_model_parallel_group(), sequence_parallel=bool(sp))
+            for strategy in STRATEGIES:
+                module = build(args)
+                ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True,
+                                                           data_parallel_sharding_strategy=strategy)
+                wrapped = FullyShardedDataParallel(module.config, ddp_config, module, device_mesh=mesh,
+                                                   expt_device_mesh=expt_mesh)
+                got = train_wrapped(wrapped,
+                                    after_sync=lambda m, tp=tp: allreduce_sequence_parallel_grads(m.parameters(), tp))
+                assert_same(f"MoE {what} {strategy}", got, reference)
+            parallel_state.destroy_model_parallel()
     finally:
         parallel_state.destroy_model_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
@@ -916,16 +982,20 @@ def _full_form(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     Written from megatron-core's own conventions, not the checkpoint code's: a TP-sharded
     parameter is all-gathered over megatron-core's TP group and reassembled by its
     ``partition_stride`` (``_initialize_affine_weight_cpu`` gives rank t pieces t, t + T, ...
-    of the full tensor cut in stride x T pieces); an expert's parameters take the global index
+    of the full tensor cut in stride x T pieces; an expert's over the expert TP group); an expert's parameters take
+    the global index
     of megatron-core's ``MoELayer.local_expert_indices`` and are all-gathered over the EP group.
     """
     from torch.distributed.tensor import DTensor
 
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
     out = {}
     for name, param in module.named_parameters():
         value = (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+        # an expert parameter (allreduce=False: under EP) is split over megatron-core's expert TP group
+        expert = not getattr(param, "allreduce", True)
+        tp_group = (parallel_state.get_expert_tensor_parallel_group() if expert
+                    else parallel_state.get_tensor_model_parallel_group())
+        tp = dist.get_world_size(tp_group)
         if tp > 1 and getattr(param, "tensor_model_parallel", False):
             parts = [torch.empty_like(value) for _ in range(tp)]
             dist.all_gather(parts, value.contiguous(), group=tp_group)
@@ -984,8 +1054,9 @@ def megatron_core_checkpoints_resume_and_convert() -> None:
     """fsdp_dtensor checkpoints of megatron-core's GPTModel through pretrain_gpt.py, saved at 2 of 4 iterations:
     resumed at the same layout (TP2, and MoE at EP2; dropout on, Megatron's default flags) the run continues
     bitwise, with --async-save too (the same training, checkpoint and resumed losses as a synchronous save);
-    resumed at another TP, EP and data-parallel size (dropout off), the loaded parameters equal the saved ones
-    gathered to full form bitwise and the losses continue the saved run's within ``CONVERTED_RTOL``."""
+    resumed at another TP, EP, expert TP and data-parallel size (dropout off), the loaded parameters equal the
+    saved ones gathered to full form bitwise and the losses and grad norms continue the saved run's within
+    ``CONVERTED_RTOL``."""
     world = dist.get_world_size()
     other_ep = 1 if world == 2 else 4  # EP2 x EDP1 -> EP1 x EDP2 at 2 ranks; EP2 x EDP2 -> EP4 x EDP1 at 4
     # (model flags, saved layout, [(resumed layout, bitwise?)]): TP2 x DP(world/2) -> TP1 x DP(world)
@@ -998,6 +1069,13 @@ def megatron_core_checkpoints_resume_and_convert() -> None:
         ([*CKPT_MOE], ["--expert-model-parallel-size", "2"],
          [(["--expert-model-parallel-size", "2"], True), (["--expert-model-parallel-size", str(other_ep)], False)]),
     ]
+    if world == 4:  # expert tensor parallelism, Megatron's default ETP = TP 2 with EP2 -> whole experts (ETP1) and
+        # back (at 2 ranks ETP2 needs EP1, where megatron-core's experts are dense TP slices: the dense case's path;
+        # the same-layout resume of ETP2 is the functional mlm_experts_resume's, bitwise). Back: from the MoE case
+        # above, whose dropout masks differ at TP2 (None: the loaded parameters are compared, not the losses).
+        etp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"]
+        cases[-1][2].append((etp2, None))
+        cases.append(([*CKPT_MOE, *NO_DROPOUT], etp2, [(["--expert-model-parallel-size", "2"], False)]))
     runs = []  # (reference losses, full form saved at 2, resumed losses) of each case's first resume
     try:
         for flags, saved_layout, resumes in cases:
@@ -1016,14 +1094,16 @@ def megatron_core_checkpoints_resume_and_convert() -> None:
                     _assert_same_full_form(f"{what}: loaded vs saved", loaded.pop(), saved[2])
                     if layout == resumes[0][0]:
                         runs.append((reference.losses, saved[2], resumed.losses))
-                    for it in (3, 4):
+                    for it in (3, 4) if bitwise is not None else ():
                         if bitwise:
                             assert resumed.losses[it] == reference.losses[it], (what, it, resumed.losses,
                                                                                  reference.losses)
-                        else:
-                            torch.testing.assert_close(
-                                torch.tensor(resumed.losses[it]), torch.tensor(reference.losses[it]),
-                                rtol=CONVERTED_RTOL, atol=0, msg=lambda m, w=what, i=it: f"{w} iteration {i}: {m}")
+                        else:  # the grad norm too: each parameter counted once whatever its TP / EP / ETP split
+                            for key, got, want in (("loss", resumed.losses, reference.losses),
+                                                   ("grad norm", resumed.grad_norms, reference.grad_norms)):
+                                torch.testing.assert_close(
+                                    torch.tensor(got[it]), torch.tensor(want[it]), rtol=CONVERTED_RTOL, atol=0,
+                                    msg=lambda m, w=what, i=it, k=key: f"{w} {k} at iteration {i}: {m}")
         (sync_losses, sync_saved, sync_resumed), (async_losses, async_saved, async_resumed) = runs[:2]
         assert async_losses == sync_losses, ("--async-save changed training", async_losses, sync_losses)
         _assert_same_full_form("--async-save's checkpoint vs the synchronous one", async_saved, sync_saved)

@@ -43,6 +43,12 @@ def test_hsdp_with_expert_parallelism_is_accepted():
     ([*MOE, "--context-parallel-size", "2"], "--num-experts with --context-parallel-size > 1"),
     ([*MOE, "--calculate-per-token-loss"], "--num-experts with --calculate-per-token-loss"),
     ([*MOE, "--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff must be a finite number >= 0"),
+    ([*MOE, "--use-megatron-fsdp", "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "2"],
+     "--expert-model-parallel-size (4) x --expert-tensor-parallel-size (2) must divide the world size (4)"),
+    ([*MOE, "--expert-tensor-parallel-size", "2"],
+     "--expert-tensor-parallel-size 2 other than --tensor-model-parallel-size (1) needs --expert-model-parallel-size"),
+    ([*MOE, "--use-megatron-fsdp", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
+     "--num-experts with --expert-tensor-parallel-size 2 on this front-end's own GPT"),
 ])
 def test_rejected(flags, message):
     with pytest.raises(ArgumentError) as info:
