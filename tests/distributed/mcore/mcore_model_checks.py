@@ -8,6 +8,8 @@ generator and megatron-core's RNG tracker before each step, so all draw the same
 
 Bitwise at 2 data-parallel ranks (TP2 x DP2 included): fp32 parameters after several AdamW
 steps, and every step's loss, equal across arms; at 4 data-parallel ranks within 1e-6 (``exact()``).
+With --bf16 (``BF16_RTOL``): bitwise at 2 ranks too, 1e-2 at 4. The 2-rank group leaves a checkpoint that the
+4-rank group resumes at twice the data-parallel size (``HANDOFF_ENV``).
 """
 
 from __future__ import annotations
