@@ -8,6 +8,8 @@ generator and megatron-core's RNG tracker before each step, so all draw the same
 
 Bitwise at 2 data-parallel ranks (TP2 x DP2 included): fp32 parameters after several AdamW
 steps, and every step's loss, equal across arms; at 4 data-parallel ranks within 1e-6 (``exact()``).
+With --bf16 (``BF16_RTOL``): bitwise at 2 ranks too, 1e-2 at 4. The 2-rank group leaves a checkpoint that the
+4-rank group resumes at twice the data-parallel size (``HANDOFF_ENV``).
 """
 
 from __future__ import annotations
@@ -545,6 +547,96 @@ def moe_expert_parallel_2_equals_megatron_core_ddp() -> None:
             ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy)
             wrapped = FullyShardedDataParallel(module.config, ddp_config, module, expt_device_mesh=expt_mesh)
             assert_same(f"EP2 {strategy}", train_wrapped(wrapped), reference)
+    finally:
+        parallel_state.destroy_model_parallel()
+        initialize_mcore_parallel(model_args(), seed=1)
+
+
+# --bf16 as Megatron-LM runs megatron-core DDP: bf16 model weights and compute, gradients accumulated and reduced in
+# fp32 (DistributedDataParallelConfig(grad_reduce_in_fp32=True): fp32 main_grad buffers), and Megatron's
+# Float16OptimizerWithFloat16Params stepping fp32 main copies of the weights, copied back into the bf16 ones.
+# Our engine's bf16 (bf16 model weights, preserve_fp32_weights: fp32 main weights the optimizer steps, fp32
+# gradient accumulation and reduction with grad_reduce_in_fp32) does the same arithmetic: the same bf16 forward and
+# backward from the same bf16 weights, each bf16 gradient widened exactly to fp32, the fp32 reduction (at 2 ranks a
+# sum of two terms, one order; the 1/2 scale exact), the same fp32 AdamW on the main weights and the same
+# round-to-nearest into bf16. So at 2 ranks the bar is bitwise, on the fp32 main weights and every loss. At 4 ranks
+# gloo's ring sums four fp32 terms in a bucket-dependent order (``exact()``); a last-bit difference of an fp32 main
+# weight can flip its bf16 rounding, and the run then computes with weights one bf16 ulp (2^-8 relative) apart: the
+# functional suite's order-of-sum bar for bf16 runs, 1e-2 relative, on every loss and on each main weight's norm
+# of difference.
+BF16_RTOL = 1e-2
+
+
+def build_bf16(args) -> torch.nn.Module:
+    """megatron-core's GPTModel in bf16, as Megatron's Float16Module (``module.bfloat16()``) and pretrain_gpt.py's
+    engine (backends.py) hold it: megatron-core builds most weights in ``params_dtype`` but not all."""
+    module = build(args).to(torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+    return module
+
+
+def train_mcore_ddp_bf16(args) -> tuple[dict, list[float]]:
+    """Megatron's bf16 loop over megatron-core DDP (grad_reduce_in_fp32): the fp32 main weights after ``STEPS``
+    steps, and each step's loss."""
+    module = build_bf16(args)
+    model = McoreDDP(config=module.config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                     module=module)
+    named = list(module.named_parameters())
+    mains = [p.detach().float().clone() for _, p in named]  # Float16OptimizerWithFloat16Params' main params
+    opt, losses = optimizer(mains), []
+    for step in range(STEPS):
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        loss = loss_of(model, step)
+        loss.backward()
+        model.finish_grad_sync()
+        for (_, param), main in zip(named, mains):
+            assert param.main_grad.dtype == torch.float32
+            main.grad = param.main_grad  # _copy_model_grads_to_main_grads
+        opt.step()
+        with torch.no_grad():
+            for (_, param), main in zip(named, mains):
+                param.copy_(main)  # _copy_main_params_to_model_params
+        losses.append(loss.item())
+    return {n: m.detach().clone() for (n, _), m in zip(named, mains)}, losses
+
+
+def assert_same_bf16(what: str, got: tuple[dict, list[float]], want: tuple[dict, list[float]]) -> None:
+    """Bitwise at 2 data-parallel ranks (``exact()``); else losses and each main weight within ``BF16_RTOL``."""
+    if exact():
+        assert_same(what, got, want)
+        return
+    params, losses = got
+    ref_params, ref_losses = want
+    assert params.keys() == ref_params.keys(), f"{what}: {sorted(params)} vs {sorted(ref_params)}"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=BF16_RTOL, atol=0,
+                               msg=lambda m: f"{what}: losses: {m}")
+    for name, value in params.items():
+        off = (value - ref_params[name]).norm() / ref_params[name].norm().clamp(min=1e-12)
+        assert off <= BF16_RTOL, f"{what}: {name} is {off:.3g} of its norm away (bf16 bar {BF16_RTOL})"
+
+
+@check(SUITE)
+def moe_expert_parallel_2_bf16_equals_megatron_core_ddp() -> None:
+    """--bf16: megatron-core's MoE GPTModel at EP2 under our four strategies (bf16 weights and compute, fp32 main
+    weights, fp32 gradient reduction) == Megatron's bf16 megatron-core DDP (grad_reduce_in_fp32) with fp32 main
+    weights: the fp32 main weights and every loss, bitwise at 2 ranks, within ``BF16_RTOL`` at 4."""
+    args = model_args("--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear",
+                      "--expert-model-parallel-size", "2", "--use-megatron-fsdp", "--bf16")
+    world = dist.get_world_size()
+    try:
+        reference = train_mcore_ddp_bf16(args)
+        assert reference[1][-1] < reference[1][0], f"the loss should fall: {reference[1]}"
+        expt_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "ep"))
+        for strategy in STRATEGIES:
+            module = build_bf16(args)
+            ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
+                                                       grad_reduce_in_fp32=True)
+            wrapped = FullyShardedDataParallel(module.config, ddp_config, module, expt_device_mesh=expt_mesh)
+            got = train_wrapped(wrapped)
+            dtypes = {value.dtype for value in got[0].values()}
+            assert dtypes == {torch.float32}, f"EP2 bf16 {strategy}: the parameters the optimizer steps are {dtypes}"
+            assert_same_bf16(f"EP2 bf16 {strategy}", got, reference)
     finally:
         parallel_state.destroy_model_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
@@ -1108,6 +1200,116 @@ def megatron_core_checkpoints_resume_and_convert() -> None:
         assert async_losses == sync_losses, ("--async-save changed training", async_losses, sync_losses)
         _assert_same_full_form("--async-save's checkpoint vs the synchronous one", async_saved, sync_saved)
         assert async_resumed == sync_resumed, ("resumed from --async-save's checkpoint", async_resumed, sync_resumed)
+    finally:
+        parallel_state.destroy_model_parallel()
+        initialize_mcore_parallel(model_args(), seed=1)
+
+
+# A pure data-parallel resize at the same TP, across the two spawned groups of test_mcore_model.py: the 2-rank group
+# saves megatron-core's GPTModel at TP2 x DP1 into the directory this variable names (with the run's losses and the
+# full form of its parameters and optimizer state at the save), the 4-rank group (started after it) resumes it at
+# TP2 x DP2. The same global batch of 8 (4 micro-batches on one DP rank, 2 on each of two): the resumed losses
+# continue the saved run's within ``CONVERTED_RTOL`` (the functional suite's 1e-5 for fp32 resumes at another world
+# size: the micro-batch and DP sums round in another order); the loaded state is the saved one, bitwise.
+HANDOFF_ENV = "MEGATRON_FSDP_MCORE_HANDOFF"
+DP_RESIZE = [*CKPT_DENSE, *NO_DROPOUT, "--tensor-model-parallel-size", "2", "--global-batch-size", "8"]
+
+
+def _handoff_dir() -> str:
+    root = os.environ.get(HANDOFF_ENV)
+    assert root and os.path.isdir(root), (
+        f"${HANDOFF_ENV} must name a directory shared by the 2- and 4-rank groups (test_mcore_model.py sets it)")
+    return os.path.join(root, "tp2_dp1")
+
+
+def _optimizer_full_form(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every optimizer state tensor of ``module``'s parameters (``<parameter>.<key>``) in the form the TP1, DP1 model
+    would hold it: a DTensor gathered over data parallelism, a TP-sharded parameter's state reassembled over
+    megatron-core's TP group by its ``partition_dim`` and ``partition_stride`` (as ``_full_form`` does)."""
+    from torch.distributed.tensor import DTensor
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    out = {}
+    for name, param in module.named_parameters():
+        for key, value in optimizer.state.get(param, {}).items():
+            value = (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+            if value.dim() > 0 and tp > 1 and getattr(param, "tensor_model_parallel", False):
+                parts = [torch.empty_like(value) for _ in range(tp)]
+                dist.all_gather(parts, value.contiguous(), group=tp_group)
+                dim, stride = param.partition_dim, param.partition_stride
+                value = torch.cat([part.chunk(stride, dim)[s] for s in range(stride) for part in parts], dim)
+            out[f"{name}.{key}"] = value
+    return out
+
+
+@contextlib.contextmanager
+def _model_and_optimizer_at_save_and_load():
+    """(parameters' full form, optimizer state's full form) right after each ``--save`` (by iteration) and each
+    ``--load`` (in order)."""
+    from megatron.training import checkpointing
+
+    saved, loaded = {}, []
+    save, load = checkpointing.save, checkpointing.load
+
+    def saving(args, state, module, optimizer, *rest):
+        save(args, state, module, optimizer, *rest)
+        saved[state.iteration] = (_full_form(module), _optimizer_full_form(module, optimizer))
+
+    def loading(args, module, optimizer, *rest):
+        state = load(args, module, optimizer, *rest)
+        loaded.append((_full_form(module), _optimizer_full_form(module, optimizer)))
+        return state
+
+    checkpointing.save, checkpointing.load = saving, loading
+    try:
+        yield saved, loaded
+    finally:
+        checkpointing.save, checkpointing.load = save, load
+
+
+@check(SUITE, world_sizes=(2,))
+def megatron_core_checkpoint_saved_for_a_data_parallel_resize() -> None:
+    """The TP2 x DP1 half of the data-parallel resize (``HANDOFF_ENV``): megatron-core's GPTModel trained 4 iterations
+    by pretrain_gpt.py, fsdp_dtensor checkpoint at 2; its losses and full-form state at 2 left for the 4-rank group."""
+    root = _handoff_dir()
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+    dist.barrier()
+    try:
+        with _model_and_optimizer_at_save_and_load() as (saved, _):
+            run, _ = _pretrain([*DP_RESIZE, "--save", root, "--save-interval", "2"])
+        assert sorted(run.losses) == [1, 2, 3, 4] and sorted(saved) == [2, 4], (run.losses, sorted(saved))
+        params, optim = saved[2]
+        assert any(k.endswith(".exp_avg_sq") for k in optim), sorted(optim)
+        if dist.get_rank() == 0:
+            torch.save({"losses": run.losses, "params": params, "optimizer": optim}, os.path.join(root, "saved.pt"))
+    finally:
+        dist.barrier()
+        parallel_state.destroy_model_parallel()
+        initialize_mcore_parallel(model_args(), seed=1)
+
+
+@check(SUITE, world_sizes=(4,))
+def megatron_core_checkpoint_resumes_at_twice_the_data_parallel_size() -> None:
+    """The 2-rank group's TP2 x DP1 fsdp_dtensor checkpoint of megatron-core's GPTModel resumed at TP2 x DP2: the loaded
+    parameters and optimizer state (full form, megatron-core's TP conventions) equal the saved ones bitwise, and
+    iterations 3-4 continue the saved run's losses within ``CONVERTED_RTOL``."""
+    root = _handoff_dir()
+    saved_file = os.path.join(root, "saved.pt")
+    assert os.path.exists(saved_file), f"{saved_file}: the 2-rank group's save is missing (it runs first)"
+    reference = torch.load(saved_file, weights_only=True)
+    try:
+        with _model_and_optimizer_at_save_and_load() as (_, loaded):
+            resumed, _ = _pretrain([*DP_RESIZE, "--load", os.path.join(root, "iter_0000002")])
+        assert parallel_state.get_data_parallel_world_size() == 2, "TP2 x DP2 at 4 ranks"
+        (params, optim), = loaded
+        _assert_same_full_form("TP2 x DP1 -> TP2 x DP2: loaded vs saved parameters", params, reference["params"])
+        _assert_same_full_form("TP2 x DP1 -> TP2 x DP2: loaded vs saved optimizer state", optim, reference["optimizer"])
+        assert sorted(resumed.losses) == [3, 4], resumed.losses
+        for it in (3, 4):
+            torch.testing.assert_close(torch.tensor(resumed.losses[it]), torch.tensor(reference["losses"][it]),
+                                       rtol=CONVERTED_RTOL, atol=0, msg=lambda m, i=it: f"iteration {i}: {m}")
     finally:
         parallel_state.destroy_model_parallel()
         initialize_mcore_parallel(model_args(), seed=1)

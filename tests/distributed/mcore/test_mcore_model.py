@@ -10,11 +10,14 @@ test_mcore_adapter.py runs the adapter's suite without megatron-core.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -26,11 +29,23 @@ MODEL, ADAPTER = "tests.distributed.mcore.mcore_model_checks", "tests.distribute
 SUITE_OF = {MODEL: "mcore_model", ADAPTER: "mcore_adapter"}
 # the suites each world size runs with megatron-core importable, in one spawned group
 SUITES = {2: (MODEL, ADAPTER), 4: (MODEL,)}
+# Shared by the two groups: the 2-rank one leaves a TP2 x DP1 checkpoint there that the 4-rank one resumes at
+# TP2 x DP2 (mcore_model_checks.HANDOFF_ENV), so the 4-rank group starts after the 2-rank one.
+HANDOFF_ENV = "MEGATRON_FSDP_MCORE_HANDOFF"
+
+
+@functools.cache
+def _handoff_dir() -> str:
+    path = tempfile.mkdtemp(prefix="mcore-handoff-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 @functools.cache
 def run_with_megatron_core(world_size: int) -> tuple[dict[str, dict[str, list[str]]], str]:
     """Failures per check name per suite of ``SUITES[world_size]``, and the process's stderr (a rank's stacks)."""
+    if world_size == 4:
+        run_with_megatron_core(2)  # the data-parallel resize resumes its checkpoint (cached: one run)
     modules = list(SUITES[world_size])
     script = (
         "import importlib, json\n"
@@ -41,7 +56,7 @@ def run_with_megatron_core(world_size: int) -> tuple[dict[str, dict[str, list[st
         f"assert [m.SUITE for m in modules] == {[SUITE_OF[m] for m in modules]!r}\n"
         f"print('RESULT', json.dumps(run_suites([(m.__name__, m.SUITE) for m in modules], {world_size})))\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([MCORE_EXTRA, ROOT])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([MCORE_EXTRA, ROOT]), HANDOFF_ENV: _handoff_dir()}
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=1200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
