@@ -364,15 +364,18 @@ def pytest_suite(checks_module, world_sizes: tuple[int, ...] = (2, 4), group: st
     Use as ``results, test_<name> = pytest_suite(<checks module>)`` in a test file. Suites of one
     ``group`` share their launches: the first of them to run at a world size runs, in one spawned group,
     every suite of the group that has a test selected at that world size in this pytest session, so
-    ``tests/distributed`` costs one launch per world size and a single file (or ``-k``) still runs only
-    what it selects. The default group is the checks module's top two packages (``tests.distributed``,
-    ``tests.docs``); a suite that must not share its processes names a group of its own.
+    a directory costs one launch per world size and a single file (or ``-k``) still runs only
+    what it selects. The default group is the checks module's package (``tests.distributed.core``);
+    a suite that must not share its processes names a group of its own.
     """
     import pytest  # here, not at the top: the spawned ranks import this module and never need pytest
 
     suite = checks_module.SUITE
     module = checks_module.__name__
-    group = group or ".".join(module.split(".")[:2])
+    # One group per directory: a single group for all of tests/distributed hung (2026-11-28) in the 4-rank
+    # moe parity check, every rank inside a gloo rendezvous of a new group, after the other directories'
+    # suites ran in the same processes (not yet understood: a group-creation order that differs by history).
+    group = group or module.rpartition(".")[0]
 
     @pytest.fixture(scope="module", params=list(world_sizes))
     def results(request):
