@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megatron_fsdp.comm.local_groups import new_local_group
+
 _SUB_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
@@ -45,7 +47,7 @@ def check_post_forward_size(size: int, shard_size: int, *, where: str = "fully_s
 def post_forward_mesh(shard_group: dist.ProcessGroup, size: int) -> PostForwardMesh:
     """This rank's sub-group of ``size`` consecutive ranks of ``shard_group`` (made once per rank set).
 
-    Made by its member ranks only (``use_local_synchronization``); every rank of the
+    Made by its member ranks only (``comm/local_groups.py``); every rank of the
     shard group calls this in the same ``fully_shard``, so each sub-group is complete.
     """
     ranks = dist.get_process_group_ranks(shard_group)  # in shard-group rank order
@@ -54,7 +56,7 @@ def post_forward_mesh(shard_group: dist.ProcessGroup, size: int) -> PostForwardM
     members = tuple(ranks[start:start + size])
     if members not in _SUB_GROUPS:
         backend = str(dist.get_backend(shard_group))
-        _SUB_GROUPS[members] = dist.new_group(list(members), backend=backend, use_local_synchronization=True)
+        _SUB_GROUPS[members] = new_local_group(list(members), backend, "post_forward")
     group = _SUB_GROUPS[members]
     if dist.get_rank(group) != me - start:  # a process group orders its ranks ascending
         raise NotImplementedError(

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp.comm.collectives import Pending, all_reduce_max
+from megatron_fsdp.comm.local_groups import new_local_group
 from megatron_fsdp.core.group_grads import PendingReduce
 from megatron_fsdp.core.param_group import ParamGroup
 
@@ -58,10 +59,10 @@ _GROUP_COPIES: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
 def group_copy(purpose: str, group: dist.ProcessGroup, ranks: list[int] | None = None) -> dist.ProcessGroup:
     """A process group over ``ranks`` (default: ``group``'s), made once per purpose and rank set.
 
-    Made by the member ranks only (``use_local_synchronization``), in the order
-    ``fully_shard`` runs, which is the same on every rank. A copy that died with an
-    earlier default group (``destroy_process_group`` then a new ``init_process_group``
-    in the same process) is made again.
+    Made by the member ranks only (``comm/local_groups.py``: whatever groups the job made
+    on some ranks only before), in the order ``fully_shard`` runs, which is the same on
+    every rank. A copy that died with an earlier default group (``destroy_process_group``
+    then a new ``init_process_group`` in the same process) is made again.
     """
     ranks = sorted(dist.get_process_group_ranks(group) if ranks is None else ranks)
     key = (purpose, tuple(ranks))
@@ -69,7 +70,7 @@ def group_copy(purpose: str, group: dist.ProcessGroup, ranks: list[int] | None =
         del _GROUP_COPIES[key]
     if key not in _GROUP_COPIES:
         backend = str(dist.get_backend(group))
-        _GROUP_COPIES[key] = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+        _GROUP_COPIES[key] = new_local_group(ranks, backend, purpose)
     return _GROUP_COPIES[key]
 
 

@@ -401,3 +401,37 @@ def unknown_keywords_are_named_by_the_per_module_form() -> None:
     # With an optimizer it is the whole-model form, which names what it does not know.
     expect(TypeError, ("'reshard_after_fwd'",), fully_shard, Net(), torch.optim.SGD(Net().parameters(), lr=0.1),
            reshard_after_fwd=True)
+
+
+@check(SUITE)
+def groups_made_on_some_ranks_before_fully_shard_train_like_ddp() -> None:
+    """A process group with some ranks only (every rank calls new_group; the others are no members) leaves
+    the members belonging to more groups than the rest. torch names a group made by its members only by
+    that number, so the engine's own groups (control rounds, reductions, post-forward sub-groups) waited
+    for each other under different names until the store's 30-minute timeout. Each layout, made after
+    such groups, trains like DDP (bitwise at 2 ranks)."""
+    rank, n = world()
+    dist.new_group(list(range(n - 1)))  # the last rank is no member: it belongs to fewer groups from here on
+    torch.manual_seed(0)
+    base = Net()
+    ddp = DDP(copy.deepcopy(base), find_unused_parameters=True)  # the probe block never gets gradients
+    opt_ddp = sgd(ddp.parameters())
+    steps = 2
+    for step in range(steps):
+        loss_fn(ddp, local_batch(step, rank, n)).backward()
+        opt_ddp.step()
+        opt_ddp.zero_grad()
+    layouts = [*configs()]
+    if n == 4:
+        layouts.append(("post-forward shard over 2", dict(sharding_strategy="optim_grads_params",
+                                                          reshard_after_forward=2)))
+    for label, kwargs in layouts:
+        dist.new_group([n - 1])  # now the last rank belongs to more groups than the others
+        model = shard(copy.deepcopy(base), **kwargs)
+        opt = sgd(model.parameters())
+        for step in range(steps):
+            loss_fn(model, local_batch(step, rank, n)).backward()
+            opt.step()
+            opt.zero_grad()
+        exact = n == 2 and not label.startswith("hsdp")
+        assert_matches(model, ddp.module, label, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6)
