@@ -38,6 +38,10 @@ def new_local_group(ranks: list[int], backend: str, purpose: str) -> dist.Proces
     align the members' group counts are named by them).
     """
     ranks = sorted(ranks)
+    if len(ranks) == 1 or dist.get_backend() == "fake":
+        # one member has no one to agree with; torch's fake process group (a simulated rank of a
+        # large job) has a store without set/get and no peers to meet
+        return dist.new_group(ranks, backend=backend, use_local_synchronization=True)
     key = (purpose, tuple(ranks))
     serial = _MADE[key] = _MADE.get(key, -1) + 1
     rank = dist.get_rank()
