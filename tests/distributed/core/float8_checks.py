@@ -172,6 +172,18 @@ def per_tensor_reference(full: torch.Tensor) -> torch.Tensor:
     return dequantize(quantize(full, scale, torch.float8_e4m3fn), scale, full.dtype)
 
 
+
+def _main_and_computed_with(model: nn.Module) -> tuple[dict, list]:
+    """The sharded main parameters by (module, name), and a list each forward fills with
+    (module, name, the weight the module computed with)."""
+    main = {(id(m), k): p for m in model.modules() for k, p in m._parameters.items() if p is not None}
+    seen: list = []
+    for module in model.modules():
+        if module._parameters:
+            module.register_forward_pre_hook(lambda m, _a: seen.extend(
+                (m, k, p.detach().clone()) for k, p in m._parameters.items() if p is not None))
+    return main, seen
+
 @check(SUITE)
 def mxfp8_gather_matches_torchao_trains_and_moves_a_quarter_plus_scales() -> None:
     """gather_format="mxfp8": every weight a module computes with equals, bitwise, torchao's
@@ -185,12 +197,7 @@ def mxfp8_gather_matches_torchao_trains_and_moves_a_quarter_plus_scales() -> Non
     losses = {}
     for policy in (None, MXFP8):
         model = shard(mx_blocks(), mp_policy=policy)
-        main = {(id(m), k): p for m in model.modules() for k, p in m._parameters.items() if p is not None}
-        seen = []
-        for module in model.modules():
-            if module._parameters:
-                module.register_forward_pre_hook(lambda m, _a, seen=seen: seen.extend(
-                    (m, k, p.detach().clone()) for k, p in m._parameters.items() if p is not None))
+        main, seen = _main_and_computed_with(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         losses[policy] = []
         for step in range(STEPS):
@@ -250,12 +257,7 @@ def mxfp8_gather_with_bf16_compute_matches_torchao() -> None:
     for name, policy in (("fp32", None), ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
                          ("mxfp8", MXFP8_BF16)):
         model = shard(mx_blocks(), mp_policy=policy)
-        main = {(id(m), k): p for m in model.modules() for k, p in m._parameters.items() if p is not None}
-        seen = []
-        for module in model.modules():
-            if module._parameters:
-                module.register_forward_pre_hook(lambda m, _a, seen=seen: seen.extend(
-                    (m, k, p.detach().clone()) for k, p in m._parameters.items() if p is not None))
+        main, seen = _main_and_computed_with(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         losses[name] = []
         for step in range(STEPS):

@@ -62,8 +62,7 @@ def num_zeros_and_params_norm_count_each_entry_once(backend: str) -> None:
     layout = ParallelLayout(mesh=None, tp=TensorParallel.single(), cp=ContextParallel.single(), dp_group=world_group,
                             grad_group=world_group, dp_rank=rank, dp_size=world)
     cls = FSDPBackend if backend == "ours" else TorchFSDP2Backend
-    stats = cls.__new__(cls)
-    stats.model, stats.device, stats.layout = model, device(), layout
+    stats = cls(model, device(), layout)
     expected_zeros = sum(int((p.grad == 0).sum()) for p in replica.parameters())
     assert expected_zeros >= (13 - 6) * 5, expected_zeros  # the 7 embedding rows no batch uses, at least
     assert stats.num_zeros_in_grad() == expected_zeros, (stats.num_zeros_in_grad(), expected_zeros)

@@ -1111,20 +1111,20 @@ def _full_form(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _full_form_at_save_and_load():
-    """The model's full form right after each ``--save`` (by iteration) and each ``--load`` (in order)."""
+def _at_save_and_load(capture):
+    """``capture(module, optimizer)`` right after each ``--save`` (by iteration) and each ``--load`` (in order)."""
     from megatron.training import checkpointing
 
     saved, loaded = {}, []
     save, load = checkpointing.save, checkpointing.load
 
-    def saving(args, state, module, *rest):
-        save(args, state, module, *rest)
-        saved[state.iteration] = _full_form(module)
+    def saving(args, state, module, optimizer, *rest):
+        save(args, state, module, optimizer, *rest)
+        saved[state.iteration] = capture(module, optimizer)
 
-    def loading(args, module, *rest):
-        state = load(args, module, *rest)
-        loaded.append(_full_form(module))
+    def loading(args, module, optimizer, *rest):
+        state = load(args, module, optimizer, *rest)
+        loaded.append(capture(module, optimizer))
         return state
 
     checkpointing.save, checkpointing.load = saving, loading
@@ -1132,6 +1132,11 @@ def _full_form_at_save_and_load():
         yield saved, loaded
     finally:
         checkpointing.save, checkpointing.load = save, load
+
+
+def _full_form_at_save_and_load():
+    """The model's full form right after each ``--save`` (by iteration) and each ``--load`` (in order)."""
+    return _at_save_and_load(lambda module, _optimizer: _full_form(module))
 
 
 def _assert_same_full_form(what: str, got: dict, want: dict) -> None:
@@ -1243,29 +1248,10 @@ def _optimizer_full_form(module: torch.nn.Module, optimizer: torch.optim.Optimiz
     return out
 
 
-@contextlib.contextmanager
 def _model_and_optimizer_at_save_and_load():
     """(parameters' full form, optimizer state's full form) right after each ``--save`` (by iteration) and each
     ``--load`` (in order)."""
-    from megatron.training import checkpointing
-
-    saved, loaded = {}, []
-    save, load = checkpointing.save, checkpointing.load
-
-    def saving(args, state, module, optimizer, *rest):
-        save(args, state, module, optimizer, *rest)
-        saved[state.iteration] = (_full_form(module), _optimizer_full_form(module, optimizer))
-
-    def loading(args, module, optimizer, *rest):
-        state = load(args, module, optimizer, *rest)
-        loaded.append((_full_form(module), _optimizer_full_form(module, optimizer)))
-        return state
-
-    checkpointing.save, checkpointing.load = saving, loading
-    try:
-        yield saved, loaded
-    finally:
-        checkpointing.save, checkpointing.load = save, load
+    return _at_save_and_load(lambda module, optimizer: (_full_form(module), _optimizer_full_form(module, optimizer)))
 
 
 @check(SUITE, world_sizes=(2,))
