@@ -341,6 +341,26 @@ def run_suite(module: str, suite: str, world_size: int) -> dict[str, list[str]]:
     return run_suites([(module, suite)], world_size)[suite]
 
 
+# Packages whose suites keep processes of their own: megatron-core's (it sets process-wide globals and
+# makes hundreds of process groups) and the memory measurements (a process's resident set is their subject).
+_OWN_GROUP_PACKAGES = ("tests.distributed.mcore", "tests.distributed.memory")
+
+
+def default_group(module: str) -> str:
+    """The launch group of a checks module: all of tests/distributed shares one (one launch per world size
+    instead of one per directory), but for ``_OWN_GROUP_PACKAGES``; other trees, their package.
+
+    A single group once hung (2026-11-28: every rank in a gloo rendezvous of a new group after other
+    directories' suites had made groups on some ranks only); the cause, torch naming member-made groups
+    by each rank's count of groups, is fixed in megatron_fsdp/comm/local_groups.py, and the harness
+    checks after every check that all ranks made the same number of groups.
+    """
+    package = module.rpartition(".")[0]
+    if package.startswith("tests.distributed") and package not in _OWN_GROUP_PACKAGES:
+        return "tests.distributed"
+    return package
+
+
 # (group, world size) -> suite -> failures per check name: the runs of this pytest session
 _GROUP_RESULTS: dict[tuple[str, int], dict[str, dict[str, list[str]]]] = {}
 
@@ -365,17 +385,14 @@ def pytest_suite(checks_module, world_sizes: tuple[int, ...] = (2, 4), group: st
     ``group`` share their launches: the first of them to run at a world size runs, in one spawned group,
     every suite of the group that has a test selected at that world size in this pytest session, so
     a directory costs one launch per world size and a single file (or ``-k``) still runs only
-    what it selects. The default group is the checks module's package (``tests.distributed.core``);
-    a suite that must not share its processes names a group of its own.
+    what it selects. The default group is ``default_group(module)`` (all of tests/distributed but
+    megatron-core's and the memory suites); a suite that must not share its processes names a group of its own.
     """
     import pytest  # here, not at the top: the spawned ranks import this module and never need pytest
 
     suite = checks_module.SUITE
     module = checks_module.__name__
-    # One group per directory: a single group for all of tests/distributed hung (2026-11-28) in the 4-rank
-    # moe parity check, every rank inside a gloo rendezvous of a new group, after the other directories'
-    # suites ran in the same processes (not yet understood: a group-creation order that differs by history).
-    group = group or module.rpartition(".")[0]
+    group = group or default_group(module)
 
     @pytest.fixture(scope="module", params=list(world_sizes))
     def results(request):
