@@ -218,12 +218,14 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
     "--no-bias-gelu-fusion": ("no-op", _NO_FUSION + "; megatron-core's MoE with GeLU experts needs it (its fused "
                              "bias-GeLU has no per-token scale: without it auto builds our GPT, naming the flag)"),
     "--attention-softmax-in-fp32": ("no-op", "attention is torch's scaled_dot_product_attention, whose softmax "
-                                    "accumulates in fp32 for bf16 inputs already"),
+                                    "accumulates in fp32 for bf16 inputs already; megatron-core's model takes it "
+                                    "(TransformerConfig.attention_softmax_in_fp32: its softmax runs in fp32)"),
     "--attention-backend": ("no-op", "auto, unfused, local: our attention is scaled_dot_product_attention; "
                             "megatron-core's model receives the value"),
     "--apply-query-key-layer-scaling": ("no-op", "it divides the scores by the layer number and multiplies them back "
                                         "in the softmax, an fp16 overflow guard; the same numbers in fp32 and bf16 "
-                                        "(fp16 is refused)"),
+                                        "(fp16 is refused); megatron-core's model takes it "
+                                        "(TransformerConfig.apply_query_key_layer_scaling, softmax in fp32)"),
     "--use-cpu-initialization": ("no-op", "weights are drawn in full on every rank and sliced, so they are the same "
                                  "at any TP size: what the flag guarantees in Megatron"),
     "--fp8-format": ("stops", "FP8 needs TransformerEngine on CUDA"),

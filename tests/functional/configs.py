@@ -179,16 +179,17 @@ _DEEPSEEK_OVERLAP = "deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap"
 # Megatron-LM's resume tests: a run saved at 8 (--exit-interval 8), then resumed from its directory to 16;
 # where an uninterrupted run is listed, the resumed one must reproduce it bit for bit.
 CONFIGS.update({c.name: c for c in (
-    _mlm("mlm_fsdp2_tp1_save", 2, _FSDP2_TP1, rtol=1e-2, extra="--exit-interval 8", last=8),
-    _mlm("mlm_fsdp2_tp1_resume", 2, _FSDP2_TP1, rtol=1e-2, first=9),
-    _mlm("mlm_fsdp_dtensor", 4, _DTENSOR, rtol=1e-2, suffix="-full"),
+    # Every one on megatron-core's GPTModel (--model-provider mcore): the dense ones with its TP layers, FSDP2 and
+    # fsdp_dtensor / torch_dist checkpoints, the MoE ones with its MoELayer, router options and shared experts.
+    _mlm("mlm_fsdp2_tp1_save", 2, _FSDP2_TP1, rtol=1e-2, extra="--exit-interval 8", last=8, mcore=True),
+    _mlm("mlm_fsdp2_tp1_resume", 2, _FSDP2_TP1, rtol=1e-2, first=9, mcore=True),
+    _mlm("mlm_fsdp_dtensor", 4, _DTENSOR, rtol=1e-2, suffix="-full", mcore=True),
     _mlm("mlm_fsdp_dtensor_save", 4, _DTENSOR, rtol=1e-2, extra="--exit-interval 8", last=8,
-         baseline="mlm_fsdp_dtensor", baseline_rtol=0.0),
+         baseline="mlm_fsdp_dtensor", baseline_rtol=0.0, mcore=True),
     _mlm("mlm_fsdp_dtensor_resume", 4, _DTENSOR, rtol=1e-2, first=9, baseline="mlm_fsdp_dtensor",
-         baseline_rtol=0.0),
-    _mlm("mlm_fsdp2_tp2_save", 4, _FSDP2_TP2, rtol=1e-2, extra="--exit-interval 8", last=8),
-    _mlm("mlm_fsdp2_tp2_resume", 4, _FSDP2_TP2, rtol=1e-2, first=9),
-    # The MoE configurations on megatron-core's GPTModel (its MoELayer, router options, shared experts).
+         baseline_rtol=0.0, mcore=True),
+    _mlm("mlm_fsdp2_tp2_save", 4, _FSDP2_TP2, rtol=1e-2, extra="--exit-interval 8", last=8, mcore=True),
+    _mlm("mlm_fsdp2_tp2_resume", 4, _FSDP2_TP2, rtol=1e-2, first=9, mcore=True),
     _mlm("mlm_experts", 4, _EXPERTS, rtol=1e-2, suffix="-full", mcore=True),
     _mlm("mlm_experts_save", 4, _EXPERTS, rtol=1e-2, extra="--exit-interval 8", last=8, baseline="mlm_experts",
          baseline_rtol=0.0, mcore=True),

@@ -7,10 +7,10 @@ ranks: sizes and data scaled down, and each GPU-only flag replaced by its CPU eq
 the rules of ``SCALED`` and ``REPLACED`` (docs/megatron.md lists them). Flags that only megatron-core's
 model implements (``MCORE_ONLY``: the DeepSeek proxy's multi-latent attention, shared experts and router
 options) are dropped from runs of this front-end's own GPT; with them our GPT stops at start-up naming
-them (``tests/unit/frontend/test_megatron_flags.py``). The MoE configurations run megatron-core's
-``GPTModel`` (``cpu_scaled(..., mcore=True)``): its MoE layers take the shared-expert and router flags,
-and the DeepSeek proxies' multi-latent attention runs through the front-end's CPU MLA spec
-(``megatron/training/mcore_mla.py``).
+them (``tests/unit/frontend/test_megatron_flags.py``). The functional suite runs every configuration on
+megatron-core's ``GPTModel`` (``cpu_scaled(..., mcore=True)``): the dense ones with its tensor-parallel
+layers, the MoE ones with its MoE layers, which take the shared-expert and router flags; the DeepSeek
+proxies' multi-latent attention runs through the front-end's CPU MLA spec (``megatron/training/mcore_mla.py``).
 """
 
 from __future__ import annotations

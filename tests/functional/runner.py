@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -63,11 +64,13 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str,
             importlib.invalidate_caches()
         log = io.StringIO()
         built.clear()
+        start = time.perf_counter()
         try:
             with contextlib.redirect_stdout(log):
                 run = pretrain(provider, forward_step, config.argv(ckpt_root))
             results[config.name] = {
                 "model": built[-1] if built else None,
+                "seconds": time.perf_counter() - start,  # this rank's wall time of the run (the suite's cost)
                 "lm loss": {str(k): v for k, v in sorted(run.losses.items())},
                 "grad norm": {str(k): v for k, v in sorted(run.grad_norms.items())},
                 "valid loss": {str(k): v for k, v in sorted(run.valid_losses.items())},
@@ -134,7 +137,7 @@ def main() -> None:
             if "error" in result:
                 raise SystemExit(f"{name} failed:\n{result['error']}")
             golden[name] = {"lm loss": result["lm loss"], "grad norm": result["grad norm"]}
-            print(name, " ".join(f"{v:.6f}" for v in result["lm loss"].values()))
+            print(f"{name} ({result['seconds']:.1f} s)", " ".join(f"{v:.6f}" for v in result["lm loss"].values()))
     if args.regenerate:
         with open(GOLDEN, "w") as f:
             json.dump({"_about": "tests/functional golden values: python -m tests.functional.runner --regenerate; "
