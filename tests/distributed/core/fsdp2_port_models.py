@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint as checkpoint_fn
 
 from megatron_fsdp import fully_shard
+from tests.distributed.shards import raise_if_any_rank, shard_mismatch
 
 SUITE = "fsdp2_port"
 # World sizes follow the originals: checks whose test class runs at 2 ranks are registered
@@ -155,22 +156,34 @@ def unwrap(reference: nn.Module) -> nn.Module:
 
 
 def assert_sharded_parity(reference: nn.Module, model: nn.Module, what: str, prefixes_to_ignore: tuple = ()) -> None:
-    """common_fsdp.check_sharded_parity: every parameter a DTensor holding the reference's values, grads too."""
+    """common_fsdp.check_sharded_parity: every parameter a DTensor holding the reference's values, grads too.
+
+    The original compares ``full_tensor()``s; each rank compares its shards with the same slices of
+    the reference instead (tests/distributed/shards.py: the same elements at the same tolerance, one
+    collective instead of an all-gather per parameter and gradient), and every rank raises if one differs.
+    """
     ref_params = list(unwrap(reference).named_parameters())
     params = list(model.named_parameters())
     assert len(ref_params) == len(params), f"{what}: {len(params)} parameters, reference has {len(ref_params)}"
+    failures = []
     for (ref_name, ref_param), (name, param) in zip(ref_params, params):
         clean = name
         for prefix in prefixes_to_ignore:
             clean = clean.replace(prefix, "")
         assert clean == ref_name, f"{what}: parameter order differs: {name} vs {ref_name}"
         assert isinstance(param, DTensor), f"{what}: {name} is {type(param).__name__}, not a DTensor"
-        assert_equal(param.full_tensor(), ref_param, f"{what}: {name}")
+        pairs = [(name, param, ref_param)]
         if ref_param.grad is None:
             assert param.grad is None, f"{what}: {name} has a gradient, the reference none"
         else:
             assert param.grad is not None, f"{what}: {name} has no gradient, the reference has"
-            assert_equal(param.grad.full_tensor(), ref_param.grad, f"{what}: {name}.grad")
+            assert isinstance(param.grad, DTensor), f"{what}: {name}.grad is {type(param.grad).__name__}"
+            pairs.append((f"{name}.grad", param.grad, ref_param.grad))
+        for label, actual, expected in pairs:
+            found = shard_mismatch(actual, expected, lambda a, e, w=f"{what}: {label}": assert_equal(a, e, w))
+            if found is not None:
+                failures.append(found)
+    raise_if_any_rank(failures)
 
 
 def average_gradients(reference: nn.Module) -> None:

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_fsdp import MegatronFSDP, MixedPrecisionPolicy, fully_shard
 from tests.distributed.harness import check, device_type
+from tests.distributed.shards import assert_close_sharded, raise_if_any_rank, shard_mismatch
 from tests.models import Net, global_batch, loss_fn
 
 SUITE = "grad_path"
@@ -86,13 +87,25 @@ def full(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def assert_grads_match(model: nn.Module, replica: nn.Module, what: str, rtol: float = RTOL, atol: float = ATOL) -> None:
+    """Every .grad equals the replica's within (rtol, atol), compared shard by shard (tests/distributed/shards.py)."""
+    failures = []
     for (name, p), q in zip(model.named_parameters(), replica.parameters()):
-        got, want = full(p.grad), q.grad
+        got, want = p.grad, q.grad
         if want is None:  # a unit reduces zeros for its parameters without a gradient (an unused one's)
-            assert got is None or not got.any(), f"{what} {name}: .grad is set, the replica's is None"
+            if got is not None:
+                found = shard_mismatch(got, torch.zeros(got.shape, dtype=got.dtype, device=got.device), _all_zero)
+                if found is not None:
+                    failures.append(f"{what} {name}: {found}")
             continue
         assert got is not None, f"{what} {name}: .grad is None, the replica's is set"
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{what} {n}: {m}")
+        found = shard_mismatch(got, want, lambda a, e: torch.testing.assert_close(a, e, rtol=rtol, atol=atol))
+        if found is not None:
+            failures.append(f"{what} {name}: {found}")
+    raise_if_any_rank(failures)
+
+
+def _all_zero(got: torch.Tensor, _zeros: torch.Tensor) -> None:
+    assert not got.any(), ".grad is set (not zeros), the replica's is None"
 
 
 def replica_grads(replica: nn.Module, step: int, micro: Callable[[nn.Module, int, torch.Tensor], None]) -> None:
@@ -309,9 +322,8 @@ def optimizer_in_backward_post_accumulate_hooks_on_sharded_parameters() -> None:
         calls = train_with_optimizer_in_backward(model, 2, label)
         trainable = {name for name, p in model.named_parameters() if p.requires_grad}
         assert calls == dict.fromkeys(trainable, 2), f"{label}: hook calls {calls}, want 2 for each of {trainable}"
-        for (name, p), q in zip(model.named_parameters(), replica.parameters()):
-            torch.testing.assert_close(full(p).detach(), q.detach(), rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, w=f"{label} {name}": f"{w}: {m}")
+        assert_close_sharded([(name, p, q) for (name, p), q in zip(model.named_parameters(), replica.parameters())],
+                             label, rtol=RTOL, atol=ATOL)
 
 
 @check(SUITE)
@@ -345,6 +357,5 @@ def zero_grad_keeping_tensors_and_clipping_after_accumulation() -> None:
                                        msg=lambda m, w=f"{label} step {step}": f"{w} norm: {m}")
             opt.step()
             opt.zero_grad(set_to_none=False)
-        for (name, p), q in zip(model.named_parameters(), replica.parameters()):
-            torch.testing.assert_close(full(p).detach(), q.detach(), rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, w=f"{label} {name}": f"{w}: {m}")
+        assert_close_sharded([(name, p, q) for (name, p), q in zip(model.named_parameters(), replica.parameters())],
+                             label, rtol=RTOL, atol=ATOL)

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import megatron_fsdp
 from megatron_fsdp import comm_stats, fsdp_no_shard, fully_shard, fully_shard_model, fully_shard_optimizer, microbatch
 from tests.distributed.harness import check, device_type
+from tests.distributed.shards import assert_close_sharded
 from tests.models import Block, Net, global_batch, local_batch, loss_fn
 
 SUITE = "robustness"
@@ -63,8 +64,9 @@ def full(p: torch.Tensor) -> torch.Tensor:
 
 
 def assert_matches(model: nn.Module, reference: nn.Module, what: str, rtol: float, atol: float) -> None:
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(full(p), q.detach(), rtol=rtol, atol=atol, msg=lambda m, n=name: f"{what} {n}: {m}")
+    """Every parameter equals the reference's within (rtol, atol), compared shard by shard (distributed/shards.py)."""
+    pairs = [(name, p, q) for (name, p), q in zip(model.named_parameters(), reference.parameters())]
+    assert_close_sharded(pairs, what, rtol=rtol, atol=atol)
 
 
 def ddp_accumulate(ddp: DDP, opt: torch.optim.Optimizer, step: int) -> None:
@@ -96,36 +98,41 @@ def sgd(params) -> torch.optim.Optimizer:
 @check(SUITE)
 def microbatch_seed_forms_reduce_by_default() -> None:
     """microbatch(m, is_first) and microbatch(m, is_first=...) without is_last reduce every backward:
-    plain torch.optim and fully_shard_optimizer both match DDP, for every strategy and HSDP."""
+    plain torch.optim and fully_shard_optimizer both match DDP, for every strategy and HSDP.
+
+    Each model takes one step per form (the forms in turn, a different one first for each layout, so
+    every form also opens a run): each step's .grad is checked, and the weights after the three steps
+    match DDP's, which holds only if every step reduced what DDP did."""
     torch.manual_seed(0)
     base = Net()
-    ddp = DDP(copy.deepcopy(base), find_unused_parameters=True)
-    opt_ddp = sgd(ddp.parameters())
-    for step in range(2):
-        ddp_accumulate(ddp, opt_ddp, step)
     forms: dict[str, Callable[[nn.Module, int], object]] = {
         "positional": lambda m, i: microbatch(m, i == 0),
         "keywords": lambda m, i: microbatch(m, is_first=(i == 0)),
         "positional is_last": lambda m, i: microbatch(m, i == 0, i == K - 1),
     }
-    for label, kwargs in configs():
-        for form, enter in forms.items():
-            for wrapped in (False, True):
-                model = shard(copy.deepcopy(base), **kwargs)
-                opt = sgd(model.parameters())
-                if wrapped:
-                    opt = fully_shard_optimizer(opt)
-                for step in range(2):
-                    for i, batch in enumerate(micro_batches(step)):
-                        with enter(model, i):
-                            (loss_fn(model, batch) / K).backward()
-                    missing = [k for k, p in model.named_parameters()  # the probe runs under no_grad only
-                               if p.requires_grad and p.grad is None and not k.startswith("probe.")]
-                    assert not missing, f"{label} {form}: no .grad on {missing}"
-                    opt.step()
-                    opt.zero_grad()
-                # Reductions per micro-batch vs DDP's one per step: the same sums in another order.
-                assert_matches(model, ddp.module, f"{label} {form} wrapped={wrapped}", rtol=1e-5, atol=1e-6)
+    ddp = DDP(copy.deepcopy(base), find_unused_parameters=True)
+    opt_ddp = sgd(ddp.parameters())
+    for step in range(len(forms)):
+        ddp_accumulate(ddp, opt_ddp, step)
+    for index, (label, kwargs) in enumerate(configs()):
+        names = list(forms)
+        order = names[index % len(names):] + names[:index % len(names)]
+        for wrapped in (False, True):
+            model = shard(copy.deepcopy(base), **kwargs)
+            opt = sgd(model.parameters())
+            if wrapped:
+                opt = fully_shard_optimizer(opt)
+            for step, form in enumerate(order):
+                for i, batch in enumerate(micro_batches(step)):
+                    with forms[form](model, i):
+                        (loss_fn(model, batch) / K).backward()
+                missing = [k for k, p in model.named_parameters()  # the probe runs under no_grad only
+                           if p.requires_grad and p.grad is None and not k.startswith("probe.")]
+                assert not missing, f"{label} {form} (step {step}) wrapped={wrapped}: no .grad on {missing}"
+                opt.step()
+                opt.zero_grad()
+            # Reductions per micro-batch vs DDP's one per step: the same sums in another order.
+            assert_matches(model, ddp.module, f"{label} forms {order} wrapped={wrapped}", rtol=1e-5, atol=1e-6)
     expect(TypeError, ("is_first", "True or False"), lambda: microbatch(model, 1).__enter__())
     expect(TypeError, ("is_last",), lambda: microbatch(model, True, "yes").__enter__())
 

@@ -19,6 +19,7 @@ fp32; tolerance 1e-5 relative to the largest value.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -103,11 +104,13 @@ def _set_aux_scale(model: nn.Module, scale: float) -> None:
             module.aux_loss_scale = scale
 
 
+@functools.cache
 def _reference(world: int, skip: bool = False) -> tuple[list[float], dict[str, torch.Tensor], float]:
     """One process: losses per step, final weights, the last step's gradient norm.
 
     ``skip``: experts no token reached do not run, so an expert no rank's batch reached
-    has no gradient (AdamW leaves it alone), as under FSDP.
+    has no gradient (AdamW leaves it alone), as under FSDP. Computed once per (world, skip) in a
+    rank's process and shared by the checks (it depends on nothing else; callers only read it).
     """
     torch.manual_seed(1234)
     model = MoENet(ExpertParallel.single(), skip=skip)
