@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import os
 from collections.abc import Callable
 
 import torch
@@ -52,11 +53,24 @@ def _have_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+# Where .ci/setup.sh installs megatron-core beside the test environment (not on the path by default).
+SETUP_COPY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                          ".venv", "extras", "mcore")
+
+
+def _not_installed() -> str:
+    """Why megatron-core is missing and how to get it: a new user ran .ci/setup.sh, which keeps a copy aside."""
+    how = f"pip install megatron-core=={MCORE_VERSION}"
+    if os.path.isdir(os.path.join(SETUP_COPY, "megatron", "core")):
+        how = f"PYTHONPATH={os.path.relpath(SETUP_COPY)} puts .ci/setup.sh's copy on the path, or {how}"
+    return f"megatron-core is not installed ({how})"
+
+
 def mcore_blockers(args: argparse.Namespace) -> list[str]:
     """Why megatron-core's GPTModel cannot run this configuration here (empty: it can)."""
     version = _mcore_version()
     if version is None:
-        return ["megatron-core is not installed (pip install megatron-core)"]
+        return [_not_installed()]
     blockers = []
     if cuda_absent() and version != MCORE_VERSION:
         blockers.append(f"megatron-core {version} is installed, and its CPU compatibility layer "

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
 from megatron.training.logging_utils import format_tflops, training_log_line, validation_log_lines
+from megatron.training.mcore_cpu_compat import MCORE_VERSION
+from megatron.training.mcore_model import SETUP_COPY
 from megatron.training.model_setup import ddp_config_from_args
 
 BASE = ["--mock-data", "--vocab-size", "64"]
@@ -117,6 +120,10 @@ def test_model_provider_without_megatron_core():
     args = args_for()
     assert args.model_provider == "gpt", args.model_provider
     assert "megatron-core is not installed" in args.model_provider_reason, args.model_provider_reason
+    # ... and how to get it: the pinned version, and .ci/setup.sh's copy where it exists
+    assert f"pip install megatron-core=={MCORE_VERSION}" in args.model_provider_reason, args.model_provider_reason
+    if os.path.isdir(os.path.join(SETUP_COPY, "megatron", "core")):
+        assert "PYTHONPATH=" in args.model_provider_reason and "extras" in args.model_provider_reason
     assert args_for("--model-provider", "gpt").model_provider_reason == "--model-provider gpt"
     with pytest.raises(ArgumentError, match="--model-provider mcore cannot build .*megatron-core is not installed"):
         args_for("--model-provider", "mcore")
