@@ -34,6 +34,7 @@ the end of the backward run within a sub-group of N ranks from that piece.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from functools import partial
 
@@ -66,6 +67,29 @@ def flat_alignment(dtype: torch.dtype, policy: MixedPrecisionPolicy | None) -> i
     holds a flat buffer in (main, compute, gradient, communication; ``layout.alignment_numel``)."""
     policy = policy or MixedPrecisionPolicy(main_params_dtype=None)
     return alignment_numel(d.itemsize for d in policy.dtypes_for(dtype))
+
+
+# id of each sharded parameter -> (a weak reference to its group, its index): the optimizer hooks ask at
+# every step whether a parameter is ours, in time proportional to the optimizer's parameters, not to every
+# parameter of every unit alive in the process. Not a weak reference to the parameter: torch cannot swap
+# a tensor that has one (``model.to()`` under swap_module_params_on_conversion).
+_OWNERS: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _forget(ids: list[int], group_ref: weakref.ref) -> None:
+    """A group was collected: drop its entries (those a newer group has taken over stay)."""
+    for key in ids:
+        if _OWNERS.get(key, (None,))[0] is group_ref:
+            del _OWNERS[key]
+
+
+def owner_of(param: torch.Tensor) -> tuple[ParamGroup, int] | None:
+    """The live group whose sharded parameter ``param`` is, and its index there (None: not one of ours)."""
+    entry = _OWNERS.get(id(param))
+    group = entry[0]() if entry is not None else None
+    if group is None or group.sharded_params[entry[1]] is not param:
+        return None  # its group is gone, or the id now names another tensor
+    return group, entry[1]
 
 
 class ParamGroup(WeightPath, GradientPath):
@@ -149,6 +173,9 @@ class ParamGroup(WeightPath, GradientPath):
         self.refreshes = 0  # main -> compute copies (outer 'optim': all-gathers), for tests and accounting
         self._outer_refresh: Pending | None = None  # issued at the root's forward, chained by our all-gather
         self.sharded_params = [p.make_sharded(p.ref.param) for p in self.params]
+        ids = [id(param) for param in self.sharded_params]
+        self_ref = weakref.ref(self, partial(_forget, ids))
+        _OWNERS.update((key, (self_ref, index)) for index, key in enumerate(ids))
         # FSDP2's all-gather extension (torchao's float8 weights): the gather moves what the
         # parameters' pre-hooks return, in a flat buffer of bytes (core/gather_extension.py).
         self.extension: GatherExtension | None = None

@@ -49,11 +49,6 @@ def watch(unit: FSDPUnit) -> None:
         _HANDLE = register_optimizer_step_pre_hook(check_before_step)
 
 
-def live_units() -> list[FSDPUnit]:
-    """Every live unit (of any root) that ``fully_shard`` built in this process."""
-    return list(_UNITS)
-
-
 def _module_name(unit: FSDPUnit) -> str:
     """``'blocks.0' (Block)`` relative to the unit's root, or the class name before the first forward."""
     module = unit.module

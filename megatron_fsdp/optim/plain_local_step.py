@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from megatron_fsdp.core import step_guard
+from megatron_fsdp.core.param_group import owner_of
 from megatron_fsdp.core.step_guard import OWN_HOOK
 from megatron_fsdp.optim.local_step import on_local_shards, steppable_locally
 from megatron_fsdp.optim.optimizer import _WRAPPED  # fully_shard_optimizer's marker
@@ -72,8 +72,7 @@ def _ours(optimizer: torch.optim.Optimizer) -> bool:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if not params or not all(isinstance(p, DTensor) for p in params):
         return False
-    sharded = {id(p) for unit in step_guard.live_units() for g in unit.groups for p in g.sharded_params}
-    return all(id(p) in sharded for p in params)
+    return all(owner_of(p) is not None for p in params)
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

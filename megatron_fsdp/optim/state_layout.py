@@ -21,28 +21,17 @@ import weakref
 import torch
 from torch.distributed.tensor import DTensor
 
-from megatron_fsdp.core import step_guard
-from megatron_fsdp.core.param_group import ParamGroup
+from megatron_fsdp.core.param_group import owner_of
 
 _checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
-def _owners() -> dict[int, tuple[ParamGroup, int]]:
-    return {
-        id(param): (group, index)
-        for unit in step_guard.live_units()
-        for group in unit.groups
-        for index, param in enumerate(group.sharded_params)
-    }
-
-
 def restore_state_layout(optimizer: torch.optim.Optimizer) -> int:
     """Re-cut ``optimizer``'s state tensors that left their parameter's layout; returns how many."""
-    owners = _owners()
     fixed = 0
     for group in optimizer.param_groups:
         for param in group["params"]:
-            owner = owners.get(id(param))
+            owner = owner_of(param)
             state = optimizer.state.get(param)
             if owner is None or not state:
                 continue
