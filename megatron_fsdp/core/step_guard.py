@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from megatron_fsdp.core.group_weights import GroupState
-from megatron_fsdp.core.param_group import ParamGroup
+from megatron_fsdp.core.param_group import ParamGroup, owner_of
 from megatron_fsdp.core.unit import FSDPUnit, TrainingState
 
 _UNITS: weakref.WeakSet[FSDPUnit] = weakref.WeakSet()
@@ -62,20 +62,27 @@ def _module_name(unit: FSDPUnit) -> str:
 
 
 def _address(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # not to_local(): an autograd call
     return local.data_ptr() if local.numel() else 0
 
 
 def _stepped_by(optimizer: torch.optim.Optimizer) -> Callable[[ParamGroup], bool]:
-    """Does ``optimizer`` hold a parameter of a group? By identity, or by address: while
-    ``fully_shard_optimizer`` steps on local shards, ``param_groups`` hold plain aliases
-    of the groups' parameter shards (each its own storage slice over the main shard)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    ids = {id(p) for p in params}
-    addresses = {_address(p) for p in params} - {0}
+    """Does ``optimizer`` hold a parameter of a group? By identity (the group owning each parameter), or by
+    address: while ``fully_shard_optimizer`` steps on local shards, ``param_groups`` hold plain aliases of the
+    groups' parameter shards (each its own storage slice over the main shard)."""
+    owners: set[int] = set()  # id of each group owning one of the optimizer's parameters
+    addresses: set[int] = set()  # storage addresses of the parameters no group owns
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            owner = owner_of(param)
+            if owner is not None:
+                owners.add(id(owner[0]))
+            else:
+                addresses.add(_address(param))
+    addresses.discard(0)
 
     def holds(group: ParamGroup) -> bool:
-        return any(id(p) in ids or _address(p) in addresses for p in group.sharded_params)
+        return id(group) in owners or bool(addresses) and any(_address(p) in addresses for p in group.sharded_params)
 
     return holds
 

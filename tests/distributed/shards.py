@@ -13,7 +13,7 @@ rank's findings once and raises the same error, naming the rank, on all of them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -61,12 +61,19 @@ def raise_if_any_rank(failures: list[str]) -> None:
         raise AssertionError("\n".join(found[:20]) + (f"\n... {len(found) - 20} more" if len(found) > 20 else ""))
 
 
+def assert_sharded(triples: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
+                   compare: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """``compare`` each ``(name, actual, expected)`` shard by shard; raises on every rank naming each mismatch."""
+    failures = []
+    for name, actual, expected in triples:
+        found = shard_mismatch(actual, expected, compare)
+        if found is not None:
+            failures.append(f"{name}: {found}")
+    raise_if_any_rank(failures)
+
+
 def assert_close_sharded(pairs, what: str, rtol: float, atol: float) -> None:
     """``torch.testing.assert_close(full(actual), expected, rtol, atol)`` for every ``(name, actual, expected)``
     of ``pairs``, compared shard by shard (see the module docstring); raises on every rank naming each one."""
-    failures = []
-    for name, actual, expected in pairs:
-        found = shard_mismatch(actual, expected, lambda a, e: torch.testing.assert_close(a, e, rtol=rtol, atol=atol))
-        if found is not None:
-            failures.append(f"{what} {name}: {found}")
-    raise_if_any_rank(failures)
+    assert_sharded(((f"{what} {name}", actual, expected) for name, actual, expected in pairs),
+                   lambda a, e: torch.testing.assert_close(a, e, rtol=rtol, atol=atol))

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint as checkpoint_fn
 
 from megatron_fsdp import fully_shard
-from tests.distributed.shards import raise_if_any_rank, shard_mismatch
+from tests.distributed.shards import assert_sharded
 
 SUITE = "fsdp2_port"
 # World sizes follow the originals: checks whose test class runs at 2 ranks are registered
@@ -165,25 +165,21 @@ def assert_sharded_parity(reference: nn.Module, model: nn.Module, what: str, pre
     ref_params = list(unwrap(reference).named_parameters())
     params = list(model.named_parameters())
     assert len(ref_params) == len(params), f"{what}: {len(params)} parameters, reference has {len(ref_params)}"
-    failures = []
+    pairs = []
     for (ref_name, ref_param), (name, param) in zip(ref_params, params):
         clean = name
         for prefix in prefixes_to_ignore:
             clean = clean.replace(prefix, "")
         assert clean == ref_name, f"{what}: parameter order differs: {name} vs {ref_name}"
         assert isinstance(param, DTensor), f"{what}: {name} is {type(param).__name__}, not a DTensor"
-        pairs = [(name, param, ref_param)]
+        pairs.append((f"{what}: {name}", param, ref_param))
         if ref_param.grad is None:
             assert param.grad is None, f"{what}: {name} has a gradient, the reference none"
         else:
             assert param.grad is not None, f"{what}: {name} has no gradient, the reference has"
             assert isinstance(param.grad, DTensor), f"{what}: {name}.grad is {type(param.grad).__name__}"
-            pairs.append((f"{name}.grad", param.grad, ref_param.grad))
-        for label, actual, expected in pairs:
-            found = shard_mismatch(actual, expected, lambda a, e, w=f"{what}: {label}": assert_equal(a, e, w))
-            if found is not None:
-                failures.append(found)
-    raise_if_any_rank(failures)
+            pairs.append((f"{what}: {name}.grad", param.grad, ref_param.grad))
+    assert_sharded(pairs, lambda a, e: assert_equal(a, e, "values differ"))
 
 
 def average_gradients(reference: nn.Module) -> None:

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_fsdp import MegatronFSDP, MixedPrecisionPolicy, fully_shard
 from tests.distributed.harness import check, device_type
-from tests.distributed.shards import assert_close_sharded, raise_if_any_rank, shard_mismatch
+from tests.distributed.shards import assert_close_sharded, assert_sharded
 from tests.models import Net, global_batch, loss_fn
 
 SUITE = "grad_path"
@@ -88,20 +88,18 @@ def full(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def assert_grads_match(model: nn.Module, replica: nn.Module, what: str, rtol: float = RTOL, atol: float = ATOL) -> None:
     """Every .grad equals the replica's within (rtol, atol), compared shard by shard (tests/distributed/shards.py)."""
-    failures = []
+    triples, unused = [], []
     for (name, p), q in zip(model.named_parameters(), replica.parameters()):
         got, want = p.grad, q.grad
         if want is None:  # a unit reduces zeros for its parameters without a gradient (an unused one's)
             if got is not None:
-                found = shard_mismatch(got, torch.zeros(got.shape, dtype=got.dtype, device=got.device), _all_zero)
-                if found is not None:
-                    failures.append(f"{what} {name}: {found}")
+                unused.append((f"{what} {name}", got, torch.zeros(got.shape, dtype=got.dtype, device=got.device)))
             continue
         assert got is not None, f"{what} {name}: .grad is None, the replica's is set"
-        found = shard_mismatch(got, want, lambda a, e: torch.testing.assert_close(a, e, rtol=rtol, atol=atol))
-        if found is not None:
-            failures.append(f"{what} {name}: {found}")
-    raise_if_any_rank(failures)
+        triples.append((f"{what} {name}", got, want))
+    if unused:  # the replica is the same on every rank, so every rank takes this collective or none does
+        assert_sharded(unused, _all_zero)
+    assert_sharded(triples, lambda a, e: torch.testing.assert_close(a, e, rtol=rtol, atol=atol))
 
 
 def _all_zero(got: torch.Tensor, _zeros: torch.Tensor) -> None:
