@@ -33,9 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron.training.mcore_model import SETUP_COPY as MCORE_EXTRA  # .ci/setup.sh's copy of megatron-core
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden_values.json")
-MCORE_EXTRA = os.path.join(ROOT, ".venv", "extras", "mcore")
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str,

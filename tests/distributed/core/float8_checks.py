@@ -184,6 +184,7 @@ def _main_and_computed_with(model: nn.Module) -> tuple[dict, list]:
                 (m, k, p.detach().clone()) for k, p in m._parameters.items() if p is not None))
     return main, seen
 
+
 @check(SUITE)
 def mxfp8_gather_matches_torchao_trains_and_moves_a_quarter_plus_scales() -> None:
     """gather_format="mxfp8": every weight a module computes with equals, bitwise, torchao's

@@ -21,9 +21,9 @@ import tempfile
 
 import pytest
 
+from megatron.training.mcore_model import SETUP_COPY as MCORE_EXTRA  # .ci/setup.sh's copy of megatron-core
 from tests import ROOT
 
-MCORE_EXTRA = os.path.join(ROOT, ".venv", "extras", "mcore")
 # checks modules (named: only the child process can import megatron-core) -> their suite names
 MODEL, ADAPTER = "tests.distributed.mcore.mcore_model_checks", "tests.distributed.mcore.mcore_adapter_checks"
 SUITE_OF = {MODEL: "mcore_model", ADAPTER: "mcore_adapter"}
