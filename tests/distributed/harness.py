@@ -34,6 +34,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,9 @@ BACKENDS = {"gloo": "cpu", "nccl": "cuda"}  # backend -> the device type its ran
 # Where rank 0 appends "<seconds> <world size> <suite>: <check>" per check (unset: nowhere). A group's time
 # shows in pytest's --durations as one setup; this says which checks it went to.
 TIMES_ENV = "MEGATRON_FSDP_TEST_TIMES"
+# "0" runs a group's launches (one per world size) one after the other; by default, on gloo, they run at
+# once (see ``_launch``).
+OVERLAP_ENV = "MEGATRON_FSDP_TEST_OVERLAP"
 Params = Mapping[str, Sequence[object]]  # parameter name -> the values a check runs with
 
 
@@ -157,10 +161,19 @@ def shared_tmpdir(prefix: str = "mfsdp_") -> Iterator[str]:
             shutil.rmtree(holder[0], ignore_errors=True)
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, never one this process handed out before: launches that run at once
+    (``_launch``) each get their own, though their ranks bind it only seconds after it was chosen."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
 
 
 def _write_results(out_dir: str, rank: int, results: dict[str, dict[str, str | None]]) -> None:
@@ -368,6 +381,9 @@ def default_group(module: str) -> str:
 
 # (group, world size) -> suite -> failures per check name: the runs of this pytest session
 _GROUP_RESULTS: dict[tuple[str, int], dict[str, dict[str, list[str]]]] = {}
+# (group, world size) -> its launch, running or done
+_LAUNCHES: dict[tuple[str, int], Future] = {}
+_POOL: list[ThreadPoolExecutor] = []  # made at the first launch
 
 
 def _selected_suites(session, group: str, world_size: int) -> list[tuple[str, str]]:
@@ -381,6 +397,47 @@ def _selected_suites(session, group: str, world_size: int) -> list[tuple[str, st
         if callspec.params.get("results") == world_size and member[:2] not in found:
             found.append(member[:2])
     return found
+
+
+def _selected_world_sizes(session, group: str) -> list[int]:
+    """The world sizes at which ``group`` has a test selected in this session."""
+    found = set()
+    for item in getattr(session, "items", []):
+        member = getattr(getattr(item, "function", None), "_harness_suite", None)
+        callspec = getattr(item, "callspec", None)
+        if member is not None and callspec is not None and member[2] == group:
+            found.add(callspec.params.get("results"))
+    return sorted(n for n in found if isinstance(n, int) and skip_reason(n) is None)
+
+
+def _overlap() -> bool:
+    """Run a group's world sizes at once: on gloo only (with NCCL they would share the GPUs), unless turned off."""
+    return backend() == "gloo" and os.environ.get(OVERLAP_ENV, "1") != "0"
+
+
+def _launch(session, group: str, world_size: int) -> Future:
+    """The launch of ``group``'s selected suites at ``world_size`` (started here if it was not yet).
+
+    On gloo the first launch of a group also starts the group's other world sizes, in a second thread:
+    ranks of one group spend about a sixth of their time waiting on each other (collectives, the barrier
+    between checks), which the other group's ranks then use; the checks are the same, each world size
+    still in its own processes.
+    """
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="harness-launch"))
+    sizes = _selected_world_sizes(session, group) if _overlap() else []
+    for n in [world_size, *(n for n in sizes if n != world_size)]:
+        if (group, n) not in _LAUNCHES:
+            members = [m for m in _selected_suites(session, group, n) if names(m[1], n)]
+            future: Future = Future()
+            if members:
+                future = _POOL[0].submit(run_suites, members, n)
+            else:
+                future.set_result({})
+            _LAUNCHES[(group, n)] = future
+        if not _overlap():
+            break
+    return _LAUNCHES[(group, world_size)]
 
 
 def pytest_suite(checks_module, world_sizes: tuple[int, ...] = (2, 4), group: str | None = None):
@@ -409,11 +466,9 @@ def pytest_suite(checks_module, world_sizes: tuple[int, ...] = (2, 4), group: st
             return world_size, {}  # no check at this world size: its tests skip, and nothing is launched
         done = _GROUP_RESULTS.setdefault((group, world_size), {})
         if suite not in done:
-            members = [m for m in _selected_suites(request.session, group, world_size)
-                       if m[1] not in done and names(m[1], world_size)]
-            if (module, suite) not in members:
-                members.append((module, suite))
-            done.update(run_suites(members, world_size))
+            done.update(_launch(request.session, group, world_size).result())
+        if suite not in done:  # not found among the session's selected tests (run on its own)
+            done.update(run_suites([(module, suite)], world_size))
         return world_size, done[suite]
 
     @pytest.mark.parametrize("name", sorted({x for n in world_sizes for x in names(suite, n)}))
