@@ -83,6 +83,21 @@ def _forget(ids: list[int], group_ref: weakref.ref) -> None:
             del _OWNERS[key]
 
 
+def _call_weakly(method: weakref.WeakMethod, *args: object) -> object:
+    """``method(*args)`` of a group reached weakly from its own compute-time parameters.
+
+    A strong reference (a bound method in the parameter's hook or attribute) closes a cycle the
+    collector cannot see through: torch visits a tensor's hooks and attributes only while Python holds
+    its only reference, and the autograd graph and the flat buffer's views hold these parameters too.
+    The group, its flat buffers and the unit stayed alive after the model was gone.
+    """
+    bound = method()
+    if bound is None:
+        raise RuntimeError("this parameter's megatron_fsdp unit was freed (its model is gone); "
+                           "keep the fully_shard-ed module alive while its parameters are used")
+    return bound(*args)
+
+
 def owner_of(param: torch.Tensor) -> tuple[ParamGroup, int] | None:
     """The live group whose sharded parameter ``param`` is, and its index there (None: not one of ours)."""
     entry = _OWNERS.get(id(param))
@@ -256,14 +271,15 @@ class ParamGroup(WeightPath, GradientPath):
         # get_main_grad() in backward, so the buffer need not exist in forward.
         param.grad_added_to_main_grad = False
         param.__fsdp_param__ = True
-        param.get_main_grad = partial(self.main_grad_of, index)
+        param.get_main_grad = partial(_call_weakly, weakref.WeakMethod(self.main_grad_of), index)
         if param.requires_grad:
             self._hook(index, param)
         return param
 
     def _hook(self, index: int, param: nn.Parameter) -> None:
         if index not in self._hooked:
-            param.register_post_accumulate_grad_hook(partial(self._on_grad_accumulated, index))
+            param.register_post_accumulate_grad_hook(
+                partial(_call_weakly, weakref.WeakMethod(self._on_grad_accumulated), index))
             self._hooked.add(index)
 
     @property
