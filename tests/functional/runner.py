@@ -82,8 +82,6 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str,
             }
         except Exception:
             results[config.name] = {"error": traceback.format_exc(), "log": log.getvalue()}
-        gc.collect()  # this run's model, before its survivors (megatron-core's imports) are frozen too
-        gc.freeze()
         dist.barrier()
     if rank == world_size - 1:  # the rank that prints the training log, as Megatron's last rank
         with open(os.path.join(out_dir, "results.json"), "w") as f:
