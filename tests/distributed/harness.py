@@ -212,7 +212,7 @@ def _worker(rank: int, world_size: int, port: int, suites: list[tuple[str, str]]
         torch.set_default_device(device())
     dist.init_process_group(backend(), rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
     # The objects of the imports (torch's, the suites') live as long as the rank: frozen, Python's automatic
-    # full collections skip them instead of traversing some 300k objects each time (a fifth of a rank's
+    # full collections skip them instead of traversing some 300k objects each time (about a sixth of a rank's
     # time in a run of tests/distributed went to the collector before; checks' own objects are still collected).
     gc.freeze()
     results: dict[str, dict[str, str | None]] = {}  # suite -> check name -> None or the error
@@ -383,30 +383,30 @@ def default_group(module: str) -> str:
 _GROUP_RESULTS: dict[tuple[str, int], dict[str, dict[str, list[str]]]] = {}
 # (group, world size) -> its launch, running or done
 _LAUNCHES: dict[tuple[str, int], Future] = {}
-_POOL: list[ThreadPoolExecutor] = []  # made at the first launch
+_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="harness-launch")  # threads start at the first launch
+
+
+def _group_items(session, group: str) -> Iterator[tuple[tuple[str, str], object]]:
+    """``((module, suite), world size)`` of each test of ``group`` selected in this session, in test order."""
+    for item in getattr(session, "items", []):
+        member = getattr(getattr(item, "function", None), "_harness_suite", None)
+        callspec = getattr(item, "callspec", None)
+        if member is not None and callspec is not None and member[2] == group:
+            yield member[:2], callspec.params.get("results")
 
 
 def _selected_suites(session, group: str, world_size: int) -> list[tuple[str, str]]:
     """The ``(module, suite)`` of ``group`` with a test selected at ``world_size`` in this session, in test order."""
     found: list[tuple[str, str]] = []
-    for item in getattr(session, "items", []):
-        member = getattr(getattr(item, "function", None), "_harness_suite", None)
-        callspec = getattr(item, "callspec", None)
-        if member is None or callspec is None or member[2] != group:
-            continue
-        if callspec.params.get("results") == world_size and member[:2] not in found:
-            found.append(member[:2])
+    for member, size in _group_items(session, group):
+        if size == world_size and member not in found:
+            found.append(member)
     return found
 
 
 def _selected_world_sizes(session, group: str) -> list[int]:
-    """The world sizes at which ``group`` has a test selected in this session."""
-    found = set()
-    for item in getattr(session, "items", []):
-        member = getattr(getattr(item, "function", None), "_harness_suite", None)
-        callspec = getattr(item, "callspec", None)
-        if member is not None and callspec is not None and member[2] == group:
-            found.add(callspec.params.get("results"))
+    """The world sizes at which ``group`` has a test selected in this session (and this machine can run)."""
+    found = {size for _, size in _group_items(session, group)}
     return sorted(n for n in found if isinstance(n, int) and skip_reason(n) is None)
 
 
@@ -423,20 +423,16 @@ def _launch(session, group: str, world_size: int) -> Future:
     between checks), which the other group's ranks then use; the checks are the same, each world size
     still in its own processes.
     """
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="harness-launch"))
-    sizes = _selected_world_sizes(session, group) if _overlap() else []
-    for n in [world_size, *(n for n in sizes if n != world_size)]:
+    others = [n for n in _selected_world_sizes(session, group) if n != world_size] if _overlap() else []
+    for n in [world_size, *others]:
         if (group, n) not in _LAUNCHES:
             members = [m for m in _selected_suites(session, group, n) if names(m[1], n)]
             future: Future = Future()
             if members:
-                future = _POOL[0].submit(run_suites, members, n)
+                future = _POOL.submit(run_suites, members, n)
             else:
                 future.set_result({})
             _LAUNCHES[(group, n)] = future
-        if not _overlap():
-            break
     return _LAUNCHES[(group, world_size)]
 
 

@@ -61,15 +61,21 @@ def raise_if_any_rank(failures: list[str]) -> None:
         raise AssertionError("\n".join(found[:20]) + (f"\n... {len(found) - 20} more" if len(found) > 20 else ""))
 
 
-def assert_sharded(triples: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
-                   compare: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
-    """``compare`` each ``(name, actual, expected)`` shard by shard; raises on every rank naming each mismatch."""
+def sharded_mismatches(triples: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
+                       compare: Callable[[torch.Tensor, torch.Tensor], None]) -> list[str]:
+    """``compare`` each ``(name, actual, expected)`` shard by shard; this rank's mismatches, each named."""
     failures = []
     for name, actual, expected in triples:
         found = shard_mismatch(actual, expected, compare)
         if found is not None:
             failures.append(f"{name}: {found}")
-    raise_if_any_rank(failures)
+    return failures
+
+
+def assert_sharded(triples: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
+                   compare: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """``sharded_mismatches``, raised on every rank if any rank found one (a collective)."""
+    raise_if_any_rank(sharded_mismatches(triples, compare))
 
 
 def assert_close_sharded(pairs, what: str, rtol: float, atol: float) -> None:

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_fsdp import MegatronFSDP, MixedPrecisionPolicy, fully_shard
 from tests.distributed.harness import check, device_type
-from tests.distributed.shards import assert_close_sharded, assert_sharded
+from tests.distributed.shards import assert_close_sharded, raise_if_any_rank, sharded_mismatches
 from tests.models import Net, global_batch, loss_fn
 
 SUITE = "grad_path"
@@ -97,9 +97,8 @@ def assert_grads_match(model: nn.Module, replica: nn.Module, what: str, rtol: fl
             continue
         assert got is not None, f"{what} {name}: .grad is None, the replica's is set"
         triples.append((f"{what} {name}", got, want))
-    if unused:  # the replica is the same on every rank, so every rank takes this collective or none does
-        assert_sharded(unused, _all_zero)
-    assert_sharded(triples, lambda a, e: torch.testing.assert_close(a, e, rtol=rtol, atol=atol))
+    raise_if_any_rank(sharded_mismatches(unused, _all_zero) + sharded_mismatches(
+        triples, lambda a, e: torch.testing.assert_close(a, e, rtol=rtol, atol=atol)))
 
 
 def _all_zero(got: torch.Tensor, _zeros: torch.Tensor) -> None:
