@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from megatron_fsdp.comm.collectives import broadcast
+from megatron_fsdp.comm.collectives import all_reduce_max, broadcast
 from megatron_fsdp.core.lookup import units_of
 from megatron_fsdp.core.param_group import ParamGroup
 
@@ -40,6 +40,25 @@ def _pending_groups(root: nn.Module) -> list[ParamGroup]:
     for unit in units_of(root):
         groups.extend(g for g in unit.groups if g.needs_init)
     return groups
+
+
+def _take_users_writes(groups: list[ParamGroup]) -> None:
+    """Parameters the user wrote in place while they waited (``p.copy_``, ``nn.init``, ``dcp.load`` into
+    ``model.state_dict()``; ``ParamGroup.written_pending``) count as initialised, on every rank alike.
+
+    One all-reduce (maximum) of the flags over the first group's data-parallel groups (every rank of
+    them holds the same groups): a parameter some rank holds no rows of is decided with the others,
+    so that all ranks take part in the same broadcasts below.
+    """
+    slots = [(g, i) for g in groups for i in sorted(g.pending_init)]
+    written = {(id(g), i) for g in groups for i in g.written_pending()}
+    flags = torch.tensor([float((id(g), i) in written) for g, i in slots], device=groups[0].device)
+    all_reduce_max(flags, groups[0].process_group, comm=groups[0].comm)
+    if groups[0].dp.has_outer:
+        all_reduce_max(flags, groups[0].dp.outer_group, comm=groups[0].comm)
+    for (group, index), flag in zip(slots, flags.tolist()):
+        if flag:
+            group.took_values([index])
 
 
 META_BUFFERS = "_megatron_fsdp_meta_buffers"  # module attribute: buffer names awaiting init
@@ -71,34 +90,36 @@ def _init_meta_buffers(module: nn.Module, init_fn, anchor: ParamGroup) -> None:
 
 
 def materialize_meta(root: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> None:
-    """Initialise every meta-device parameter sharded under ``root`` (see module docstring)."""
+    """Initialise every meta-device parameter sharded under ``root`` that has no values yet (see module
+    docstring). Parameters that received values (``load_state_dict``, ``to_empty``) keep them."""
     groups = _pending_groups(root)
     if not groups and not any(META_BUFFERS in m.__dict__ for m in root.modules()):
         return
+    if groups:
+        _take_users_writes(groups)
     # Any group of the model knows the data-parallel groups buffers are broadcast over.
     anchor = next(g for unit in units_of(root) for g in unit.groups)
     owner: dict[tuple[int, str], tuple[ParamGroup, int]] = {}
-    for group in groups:
-        for index, ref in enumerate(group.refs):
-            for module, name in ref.uses:
-                owner[(id(module), name)] = (group, index)
+    for unit in units_of(root):
+        for group in unit.groups:
+            for index, ref in enumerate(group.refs):
+                for module, name in ref.uses:
+                    owner[(id(module), name)] = (group, index)
     done: set[tuple[int, int]] = set()  # (group, index) of tied parameters already initialised
-    uninitialised = {(id(g), i): g.refs[i].fqn for g in groups for i in range(len(g.refs))}
+    uninitialised = {(id(g), i): g.refs[i].fqn for g in groups for i in g.pending_init}
     for module in root.modules():
         own = [(name, *owner[(id(module), name)]) for name in module._parameters if (id(module), name) in owner]
-        if not own:
+        if not any((id(group), index) in uninitialised for _, group, index in own):
             with torch.no_grad():
                 _init_meta_buffers(module, init_fn, anchor)
             continue
         if init_fn is None and not hasattr(module, "reset_parameters"):
             names = [group.refs[i].fqn for _, group, i in own if (id(group), i) in uninitialised]
-            if names:
-                raise ValueError(
-                    f"meta-device parameters {names} belong to {type(module).__name__}, which has no "
-                    "reset_parameters(); pass init_fn to megatron_fsdp.materialize_meta to initialise them"
-                )
-            continue
-        _materialize_module(module, own, init_fn, done)
+            raise ValueError(
+                f"meta-device parameters {names} belong to {type(module).__name__}, which has no "
+                "reset_parameters(); pass init_fn to megatron_fsdp.materialize_meta to initialise them"
+            )
+        _materialize_module(module, own, init_fn, done, uninitialised)
         for name in module.__dict__.pop(META_BUFFERS, []):  # initialised with the parameters
             _broadcast_from_dp_rank0(module._buffers[name], own[0][1])
         for _, group, index in own:
@@ -106,11 +127,15 @@ def materialize_meta(root: nn.Module, init_fn: Callable[[nn.Module], None] | Non
     if uninitialised:
         raise ValueError(f"meta-device parameters {sorted(uninitialised.values())} were never initialised")
     for group in groups:
-        group.needs_init = False
+        group.took_values(range(len(group.refs)))
         group.mark_compute_stale()
 
 
-def _materialize_module(module, own, init_fn, done) -> None:
+def _materialize_module(module, own, init_fn, done, uninitialised) -> None:
+    """Initialise ``module``'s parameters on temporary full tensors; keep those still ``uninitialised``.
+
+    Every parameter of the module gets a temporary (its initialiser consumes the random stream as in
+    eager mode), so one that already holds loaded values is never written by the initialiser."""
     saved = module._parameters.copy()
     fulls = []
     for name, group, index in own:
@@ -122,7 +147,7 @@ def _materialize_module(module, own, init_fn, done) -> None:
             (init_fn or type(module).reset_parameters)(module)
             for (_, group, index), full in zip(own, fulls):
                 key = (id(group), index)
-                if key in done:
+                if key in done or key not in uninitialised:
                     continue  # tied: the first owner's value stands, as in eager tying
                 _broadcast_from_dp_rank0(full, group)
                 spec = group.refs[index].tp

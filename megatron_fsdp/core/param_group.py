@@ -35,7 +35,7 @@ the end of the backward run within a sub-group of N ranks from that piece.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
@@ -158,9 +158,10 @@ class ParamGroup(WeightPath, GradientPath):
         self.gathers = plan.optim and dp.shard_size > 1
         geometry = ShardGeometry(self.layout, dp, self.shard_rank, self.gathers, self.outer, self.shard)
         self.params = [FSDPParam(i, ref, geometry) for i, ref in enumerate(refs)]
-        # Meta-device parameters are filled later by init.materialize_meta.
-        self.needs_init = first.device.type == "meta"
-        if not self.needs_init:
+        # Meta-device parameters are filled later by meta_init.materialize_meta, unless values reach them
+        # first through the engine (a load, ``to_empty``): the indices still waiting for values.
+        self.pending_init: set[int] = set(range(len(refs))) if first.device.type == "meta" else set()
+        if not self.pending_init:
             with torch.no_grad():
                 for param, ref in zip(self.params, refs):
                     param.fill_from(ref.param)
@@ -232,6 +233,29 @@ class ParamGroup(WeightPath, GradientPath):
             meta = torch.empty(tuple(ref.param.shape), dtype=ref.param.dtype, device="meta")
             ref.param = nn.Parameter(meta, ref.param.requires_grad)
         self._init_grads(on_grads_ready)
+        self.took_values(())  # the version counters' baseline (written_pending)
+
+    @property
+    def needs_init(self) -> bool:
+        """Whether some parameter still waits for its values (built on meta, nothing loaded into it yet)."""
+        return bool(self.pending_init)
+
+    def took_values(self, indices: Iterable[int]) -> None:
+        """Parameters ``indices`` received their values (a load, ``to_empty``, materialize, the user's writes).
+
+        Also the baseline of ``written_pending``: the sharded parameters' version counters now."""
+        self.pending_init.difference_update(indices)
+        self._init_versions = [param._version for param in self.sharded_params]
+
+    def written_pending(self) -> list[int]:
+        """Indices still waiting for values that the user wrote in place since ``took_values``.
+
+        A meta-built model's shard is real memory from the start (ours, unlike FSDP2's meta DTensors), so
+        ``p.copy_(...)``, ``nn.init`` or ``dcp.load`` into ``model.state_dict()`` write into it: each bumps
+        the sharded parameter's version counter (the engine's own writes go through shard views and do
+        not). Writes through ``p.data`` bypass it and are not seen.
+        """
+        return [i for i in sorted(self.pending_init) if self.sharded_params[i]._version != self._init_versions[i]]
 
     def applied(self, index: int, param: torch.Tensor, new_local: torch.Tensor) -> torch.Tensor:
         """``nn.Module._apply`` (``to_empty``, ``to`` ...) gave parameter ``index`` the local piece ``new_local``.
@@ -253,7 +277,7 @@ class ParamGroup(WeightPath, GradientPath):
             )
         with torch.no_grad():
             view.copy_(new_local)
-        self.needs_init = False  # initialised by the caller (e.g. reset_parameters after to_empty)
+        self.took_values([index])  # initialised by the caller (e.g. reset_parameters after to_empty)
         self.mark_compute_stale()
         return self.params[index].as_dtensor(self.params[index].wrap_local(view))
 

@@ -316,7 +316,16 @@ class FSDPUnit:
                 with torch.no_grad():
                     param.to_local().copy_(state_dict[key].to_local())
                 state_dict[key] = param
+            # A meta-built parameter has its values now: the initialisation before the first forward
+            # (materialize_meta) must not overwrite them (torch's meta-device loading recipe).
+            group.pending_init.discard(index)
         self.mark_weights_stale()  # the main weights are about to change
+
+    def finish_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        """``load_state_dict`` post-hook: the load's own writes (through the parameters, without ``assign``)
+        are not the user's writes of ``ParamGroup.written_pending``."""
+        for group in self.groups:
+            group.took_values(())
 
     def _state_keys(self, module: nn.Module, state_dict: dict, prefix: str) -> Iterator[tuple[ParamGroup, int, str]]:
         """(group, index, key) of this unit's parameters registered under ``module`` and present in ``state_dict``.
