@@ -143,6 +143,8 @@ class WeightPath:
         """Issue the all-gather of the weights (no-op if unsharded, in flight or landed)."""
         if self.state is GroupState.UNSHARDED or self._gather is not None:
             return
+        for index in range(len(self.refs)):  # a replaced parameter's values go into the shard before it is read
+            self._check_not_replaced(index)
         if not self.gathers or self.post_forward_piece is not None:
             self.refresh_compute()  # a stored post-forward piece is gathered instead, but stays current
         if not self.gathers:
@@ -230,8 +232,10 @@ class WeightPath:
         gathered without running its forward, e.g. skipped in a micro-batch, would hide it)."""
         if check:
             self.follow_requires_grad()
-        for i, (ref, param) in enumerate(zip(self.refs, params)):
-            if check:
-                self._check_not_replaced(ref, self.sharded_params[i], self.unsharded_params[i])
+        for i in range(len(self.refs)) if check else ():
+            self._check_not_replaced(i)  # may take a replacement over: sharded_params[i] is then the new one
+        if params is not self.sharded_params and params is not self.unsharded_params:
+            raise AssertionError("_install: params must be the group's sharded or unsharded parameters")
+        for ref, param in zip(self.refs, params):
             for module, name in ref.uses:
                 module._parameters[name] = param

@@ -109,12 +109,14 @@ def materialize_meta(root: nn.Module, init_fn: Callable[[nn.Module], None] | Non
     uninitialised = {(id(g), i): g.refs[i].fqn for g in groups for i in g.pending_init}
     for module in root.modules():
         own = [(name, *owner[(id(module), name)]) for name in module._parameters if (id(module), name) in owner]
-        if not any((id(group), index) in uninitialised for _, group, index in own):
+        if not own:
             with torch.no_grad():
                 _init_meta_buffers(module, init_fn, anchor)
             continue
         if init_fn is None and not hasattr(module, "reset_parameters"):
             names = [group.refs[i].fqn for _, group, i in own if (id(group), i) in uninitialised]
+            if not names:
+                continue
             raise ValueError(
                 f"meta-device parameters {names} belong to {type(module).__name__}, which has no "
                 "reset_parameters(); pass init_fn to megatron_fsdp.materialize_meta to initialise them"

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
+from torch.nn.utils import parametrize
 
 from megatron_fsdp.comm.collectives import DEFAULT_COMM, CommConfig, Pending
 from megatron_fsdp.core.fsdp_param import FSDPParam, ParamRef, ShardGeometry, copy_param_attributes
@@ -96,6 +97,22 @@ def _call_weakly(method: weakref.WeakMethod, *args: object) -> object:
         raise RuntimeError("this parameter's megatron_fsdp unit was freed (its model is gone); "
                            "keep the fully_shard-ed module alive while its parameters are used")
     return bound(*args)
+
+
+_replacements = 0  # parameters taken over from a replacement (``ParamGroup._take_replacement``) so far
+
+
+def replaced_in(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Names of parameters ``optimizer`` holds that were replaced after ``fully_shard`` and taken over.
+
+    Such an object holds the replaced tensor, not the module's parameter any more: a step would update
+    nothing the model uses (FSDP2's optimizer silently goes stale the same way). Free when nothing was
+    ever replaced.
+    """
+    if not _replacements:
+        return []
+    return [name for group in optimizer.param_groups for p in group["params"]
+            if (name := getattr(p, "_megatron_fsdp_replaced", None)) is not None]
 
 
 def owner_of(param: torch.Tensor) -> tuple[ParamGroup, int] | None:
@@ -161,9 +178,12 @@ class ParamGroup(WeightPath, GradientPath):
         # Meta-device parameters are filled later by meta_init.materialize_meta, unless values reach them
         # first through the engine (a load, ``to_empty``): the indices still waiting for values.
         self.pending_init: set[int] = set(range(len(refs))) if first.device.type == "meta" else set()
-        if not self.pending_init:
-            with torch.no_grad():
-                for param, ref in zip(self.params, refs):
+        with torch.no_grad():
+            for param, ref in zip(self.params, refs):
+                if self.pending_init:
+                    if self.dtype.is_floating_point:
+                        param.shard_view().fill_(float("nan"))  # "no values yet", until written (written_pending)
+                else:
                     param.fill_from(ref.param)
         for ref in refs:  # lets an enclosing fully_shard spot a parameter shared across units
             ref.param._megatron_fsdp_managed = True
@@ -189,9 +209,13 @@ class ParamGroup(WeightPath, GradientPath):
         self.refreshes = 0  # main -> compute copies (outer 'optim': all-gathers), for tests and accounting
         self._outer_refresh: Pending | None = None  # issued at the root's forward, chained by our all-gather
         self.sharded_params = [p.make_sharded(p.ref.param) for p in self.params]
-        ids = [id(param) for param in self.sharded_params]
-        self_ref = weakref.ref(self, partial(_forget, ids))
-        _OWNERS.update((key, (self_ref, index)) for index, key in enumerate(ids))
+        # Each sharded parameter's attribute dict (the object itself: attributes set later are in it), which
+        # torch.utils.swap_tensors carries away with the contents (``_take_contents`` puts it back).
+        self._attributes = [param.__dict__ for param in self.sharded_params]
+        self._owner_ids: list[int] = []  # the registry's keys of this group, forgotten when it is collected
+        self._self_ref = weakref.ref(self, partial(_forget, self._owner_ids))
+        for index in range(len(self.sharded_params)):
+            self._register_owner(index)
         # FSDP2's all-gather extension (torchao's float8 weights): the gather moves what the
         # parameters' pre-hooks return, in a flat buffer of bytes (core/gather_extension.py).
         self.extension: GatherExtension | None = None
@@ -233,29 +257,37 @@ class ParamGroup(WeightPath, GradientPath):
             meta = torch.empty(tuple(ref.param.shape), dtype=ref.param.dtype, device="meta")
             ref.param = nn.Parameter(meta, ref.param.requires_grad)
         self._init_grads(on_grads_ready)
-        self.took_values(())  # the version counters' baseline (written_pending)
 
     @property
     def needs_init(self) -> bool:
         """Whether some parameter still waits for its values (built on meta, nothing loaded into it yet)."""
         return bool(self.pending_init)
 
-    def took_values(self, indices: Iterable[int]) -> None:
-        """Parameters ``indices`` received their values (a load, ``to_empty``, materialize, the user's writes).
+    def _register_owner(self, index: int) -> None:
+        """``owner_of(self.sharded_params[index])`` answers this group and ``index`` from now on."""
+        key = id(self.sharded_params[index])
+        self._owner_ids.append(key)
+        _OWNERS[key] = (self._self_ref, index)
 
-        Also the baseline of ``written_pending``: the sharded parameters' version counters now."""
+    def took_values(self, indices: Iterable[int]) -> None:
+        """Parameters ``indices`` received their values (a load, ``to_empty``, materialize, the user's writes)."""
         self.pending_init.difference_update(indices)
-        self._init_versions = [param._version for param in self.sharded_params]
 
     def written_pending(self) -> list[int]:
-        """Indices still waiting for values that the user wrote in place since ``took_values``.
+        """Indices still waiting for values that were written in place behind the engine's back.
 
         A meta-built model's shard is real memory from the start (ours, unlike FSDP2's meta DTensors), so
-        ``p.copy_(...)``, ``nn.init`` or ``dcp.load`` into ``model.state_dict()`` write into it: each bumps
-        the sharded parameter's version counter (the engine's own writes go through shard views and do
-        not). Writes through ``p.data`` bypass it and are not seen.
+        ``p.copy_(...)``, ``nn.init``, ``p.data`` or ``dcp.load`` into ``model.state_dict()`` (which copies
+        into the local tensors) write into it. Its waiting rows hold NaN from the start (``__init__``): a
+        parameter whose rows here are not all NaN was written. (A rank holding none of its rows sees
+        nothing; ``materialize_meta`` decides with the other ranks.)
         """
-        return [i for i in sorted(self.pending_init) if self.sharded_params[i]._version != self._init_versions[i]]
+        written = []
+        for index in sorted(self.pending_init):
+            view = self.params[index].shard_view()
+            if view.is_floating_point() and view.numel() and not bool(torch.isnan(view).all()):
+                written.append(index)
+        return written
 
     def applied(self, index: int, param: torch.Tensor, new_local: torch.Tensor) -> torch.Tensor:
         """``nn.Module._apply`` (``to_empty``, ``to`` ...) gave parameter ``index`` the local piece ``new_local``.
@@ -338,34 +370,124 @@ class ParamGroup(WeightPath, GradientPath):
             self._grads_seen.clear()
 
     def check_unchanged(self) -> None:
-        """Fail loudly if the user replaced or reshaped a parameter after wrapping; follow ``requires_grad``."""
+        """Take over parameters the user replaced after wrapping, or fail loudly; follow ``requires_grad``."""
         self.follow_requires_grad()
-        for i, (ref, sharded, unsharded) in enumerate(zip(self.refs, self.sharded_params, self.unsharded_params)):
-            self._check_not_replaced(ref, sharded, unsharded)
+        for i, (ref, sharded) in enumerate(zip(self.refs, self.sharded_params)):
+            self._check_not_replaced(i)
+            sharded = self.sharded_params[i]
             if sharded.shape != ref.param.shape or sharded.to_local().shape != self.params[i].shard_view().shape:
                 raise RuntimeError(
                     f"parameter '{ref.fqn}' changed shape after fully_shard: was "
                     f"{tuple(ref.param.shape)}, now {tuple(sharded.shape)}"
                 )
 
-    @staticmethod
-    def _check_not_replaced(ref: ParamRef, sharded: nn.Parameter, unsharded: nn.Parameter) -> None:
-        for module, name in ref.uses:
-            current = module._parameters.get(name)
-            if current is sharded or current is unsharded:
-                continue
-            if isinstance(current, DTensor):
-                raise RuntimeError(
-                    f"parameter '{ref.fqn}' was replaced by a DTensor on mesh {current.device_mesh} with placements "
-                    f"{tuple(current.placements)} after fully_shard: torch-native tensor parallelism was applied "
-                    "to a sharded module. Apply parallelize_module(module, mesh['tp'], plan) first, then "
-                    "fully_shard(module, mesh=mesh['dp'])"
-                )
+    def _check_not_replaced(self, index: int) -> None:
+        """Where a module no longer holds parameter ``index`` (ours), take the replacement over or raise.
+
+        ``module.weight = nn.Parameter(...)``, ``register_parameter`` and ``torch.utils.swap_tensors``
+        after ``fully_shard`` put a tensor the engine never gathers in the module (FSDP2 takes it as its
+        sharded parameter before its first forward and after a load or ``_apply``). Its values are copied
+        into our shard (re-laid out like a loaded value) and the object itself becomes our sharded
+        parameter (``swap_tensors``), so that what the module computes with, what it shows and what an
+        optimizer built from ``model.parameters()`` steps are one thing.
+        """
+        ref, sharded, unsharded = self.refs[index], self.sharded_params[index], self.unsharded_params[index]
+        currents = [module._parameters.get(name) for module, name in ref.uses]
+        if all(c is sharded or c is unsharded for c in currents):
+            if not self._holds_our_shard(index):  # torch.utils.swap_tensors(param, other): ours, other contents
+                self._take_contents(index)
+            return
+        current = next(c for c in currents if c is not sharded and c is not unsharded)
+        if parametrize.is_parametrized(ref.uses[currents.index(current)][0], ref.uses[currents.index(current)][1]):
             raise RuntimeError(
-                f"parameter '{ref.fqn}' was replaced after fully_shard (now "
-                f"{type(current).__name__} of shape {tuple(getattr(current, 'shape', ()))}); "
-                "change parameters before wrapping, or wrap again from scratch"
+                f"parameter '{ref.fqn}' was parametrized after fully_shard "
+                "(torch.nn.utils.parametrize.register_parametrization): the parametrization would compute "
+                "from the sharded parameter (FSDP2 fails the same way). Register parametrizations before "
+                "fully_shard: the engine then shards the parametrization's 'original' tensor"
             )
+        if isinstance(current, DTensor) and current.device_mesh != self.params[index].mesh:
+            raise RuntimeError(
+                f"parameter '{ref.fqn}' was replaced by a DTensor on mesh {current.device_mesh} with placements "
+                f"{tuple(current.placements)} after fully_shard: torch-native tensor parallelism was applied "
+                "to a sharded module. Apply parallelize_module(module, mesh['tp'], plan) first, then "
+                "fully_shard(module, mesh=mesh['dp'])"
+            )
+        problem = (
+            "it is not a tensor" if not isinstance(current, torch.Tensor)
+            else f"shape {tuple(current.shape)} is not {tuple(sharded.shape)}" if current.shape != sharded.shape
+            else f"dtype {current.dtype} is not {sharded.dtype}" if current.dtype != sharded.dtype
+            else "it replaced the parameter in some of the modules that share it only" if len(
+                {id(c) for c in currents}) > 1
+            else "the module holds its gathered (unsharded) weights now; call reshard() first"
+            if self.state is not GroupState.SHARDED
+            else None
+        )
+        if problem is None:
+            try:
+                self._take_replacement(index, current)
+                return
+            except RuntimeError as exc:  # swap_tensors refuses a tensor referenced elsewhere (autograd, weakref)
+                problem = f"it cannot take the place of the sharded parameter ({exc})"
+        raise RuntimeError(
+            f"parameter '{ref.fqn}' was replaced after fully_shard by {type(current).__name__} and "
+            f"cannot be used: {problem}. Write new values in place instead (with torch.no_grad(): "
+            "param.copy_(value)), or load them with model.load_state_dict(...)"
+        )
+
+    def _holds_our_shard(self, index: int) -> bool:
+        """Whether sharded parameter ``index`` still is a view of its rows of our shard."""
+        if self.params[index].extension is not None:
+            return True  # a tensor subclass over the shard (torchao): its own swaps are its class's concern
+        local = getattr(self.sharded_params[index], "_local_tensor", None)
+        view = self.params[index].shard_view()
+        if local is None or local.shape != view.shape:
+            return False
+        return view.numel() == 0 or local.data_ptr() == view.data_ptr()
+
+    def _take_contents(self, index: int) -> None:
+        """Our sharded parameter object was given another tensor's contents (``torch.utils.swap_tensors``):
+        those values go into our shard and the object becomes a view of it again, as FSDP2 re-reads it."""
+        param = self.sharded_params[index]
+        if param.shape != self.refs[index].param.shape or param.dtype != self.dtype:
+            raise RuntimeError(
+                f"parameter '{self.refs[index].fqn}' was given a {param.dtype} tensor of shape "
+                f"{tuple(param.shape)} after fully_shard (torch.utils.swap_tensors); its values must keep "
+                f"shape {tuple(self.refs[index].param.shape)} and dtype {self.dtype}"
+            )
+        value = self.params[index].loadable(param.detach(), self.refs[index].fqn, self.dtype)
+        with torch.no_grad():
+            self.params[index].shard_view().copy_(value.to_local())
+        fresh = self.params[index].make_sharded(param)
+        requires_grad = param.requires_grad
+        attributes = self._attributes[index]
+        torch.utils.swap_tensors(param, fresh)
+        param.__dict__ = attributes  # ours, with what was set on the parameter since fully_shard
+        param.requires_grad_(requires_grad)
+        self.pending_init.discard(index)
+        self.mark_compute_stale()
+
+    def _take_replacement(self, index: int, new: torch.Tensor) -> None:
+        """``new`` becomes parameter ``index``: its values go into our shard, its object becomes ours."""
+        old = self.sharded_params[index]
+        value = self.params[index].loadable(new.detach(), self.refs[index].fqn, self.dtype)
+        requires_grad = new.requires_grad
+        users_attributes = dict(getattr(new, "__dict__", {}))
+        with torch.no_grad():
+            self.params[index].shard_view().copy_(value.to_local())
+        torch.utils.swap_tensors(new, old)  # ``new`` is now a DTensor over our shard; ``old`` holds its tensor
+        new.requires_grad_(requires_grad)
+        for key, attribute in users_attributes.items():
+            if not key.startswith("_megatron_fsdp"):
+                setattr(new, key, attribute)
+        old._megatron_fsdp_replaced = self.refs[index].fqn  # an optimizer still holding it is refused
+        global _replacements
+        _replacements += 1
+        self.sharded_params[index] = new
+        self._attributes[index] = new.__dict__
+        self._register_owner(index)
+        self.pending_init.discard(index)
+        self.mark_compute_stale()
+        self.follow_requires_grad()
 
     def use(self, comm: CommConfig, pool: BufferPool, spares: GradSpares) -> None:
         """Run with the root's collectives config, buffer pool and gradient spares (an enclosing ``fully_shard``)."""

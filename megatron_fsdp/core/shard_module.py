@@ -267,7 +267,6 @@ def shard_module(
         _move_buffers(mod, device)
         mod.register_state_dict_pre_hook(unit.release_before_state_dict)
         mod.register_load_state_dict_pre_hook(unit.prepare_state_dict_for_load)
-        mod.register_load_state_dict_post_hook(unit.finish_load)
     step_guard.watch(unit)
     for mod in modules:
         make_fsdp_module(mod, unit)

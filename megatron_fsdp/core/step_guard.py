@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from megatron_fsdp.core.group_weights import GroupState
-from megatron_fsdp.core.param_group import ParamGroup, owner_of
+from megatron_fsdp.core.param_group import ParamGroup, owner_of, replaced_in
 from megatron_fsdp.core.unit import FSDPUnit, TrainingState
 
 _UNITS: weakref.WeakSet[FSDPUnit] = weakref.WeakSet()
@@ -122,6 +122,13 @@ def check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
     forward without backward) would be stale after it: they are released, and the next
     forward re-gathers.
     """
+    stale = replaced_in(optimizer)
+    if stale:
+        raise RuntimeError(
+            f"this optimizer holds parameters {stale} that were replaced after fully_shard: the module now "
+            "holds the replacement (which the engine took over), so a step would update tensors the model no "
+            "longer uses. Build the optimizer after replacing parameters (from model.parameters())"
+        )
     pending, kept = _scan()
     if not pending and not kept:
         return

@@ -321,12 +321,6 @@ class FSDPUnit:
             group.pending_init.discard(index)
         self.mark_weights_stale()  # the main weights are about to change
 
-    def finish_load(self, module: nn.Module, incompatible_keys: Any) -> None:
-        """``load_state_dict`` post-hook: the load's own writes (through the parameters, without ``assign``)
-        are not the user's writes of ``ParamGroup.written_pending``."""
-        for group in self.groups:
-            group.took_values(())
-
     def _state_keys(self, module: nn.Module, state_dict: dict, prefix: str) -> Iterator[tuple[ParamGroup, int, str]]:
         """(group, index, key) of this unit's parameters registered under ``module`` and present in ``state_dict``.
 
