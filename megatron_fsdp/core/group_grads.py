@@ -136,10 +136,13 @@ class GradientPath:
         # Reductions run on a copy of process_group (core/schedule.py), so that they never
         # interleave with all-gathers differently on different ranks.
         self.reduce_process_group: dist.ProcessGroup = self.process_group
-        # HSDP, set_requires_all_reduce(False): shard-reduced gradients summed here instead of
-        # all-reduced across dp_outer; the next all-reduce adds them in.
+        # HSDP, set_requires_all_reduce(False) or a non-last microbatch (``defer_outer`` of
+        # reduce_grads): the dp_shard-reduced gradients are summed here, in grad_dtype, instead
+        # of being reduced across dp_outer; the next outer reduction adds them in (docs/design.md,
+        # "HSDP"). _defer_outer: the reduction in flight was started with defer_outer.
         self.requires_all_reduce = True
         self.partial_outer: torch.Tensor | None = None
+        self._defer_outer = False
 
     def _slot_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         return self.params[index].slot_view(buffer)
@@ -342,14 +345,20 @@ class GradientPath:
         unreduced = self.grad_buffer is not None or self.contribution is not None or bool(self._stash)
         return (unreduced and not self.reduced_this_backward) or self.partial_outer is not None
 
-    def reduce_grads(self, sync: bool, scaling: GradScaling, *, zeros_if_none: bool = False) -> PendingReduce | None:
+    def reduce_grads(
+        self, sync: bool, scaling: GradScaling, *, zeros_if_none: bool = False, defer_outer: bool = False
+    ) -> PendingReduce | None:
         """Start reducing the accumulated gradients (unless ``sync`` is off).
 
         ``zeros_if_none``: with nothing accumulated here, reduce zeros (this rank
-        still takes part in a reduction other ranks issue).
+        still takes part in a reduction other ranks issue). ``defer_outer`` (HSDP, a
+        non-last micro-batch): reduce inside dp_shard only and add the result to the
+        partial sum held for dp_outer; the first reduction without it reduces the sum
+        across dp_outer once (all-reduce, or reduce-scatter under outer 'optim').
         """
         if not sync:
             return None
+        self._defer_outer = defer_outer
         buffer = self._take_grads(zeros_if_none, scaling)
         if buffer is None:
             return None
@@ -373,14 +382,36 @@ class GradientPath:
             work = all_reduce(buffer, self.reduce_process_group, comm=self.comm, stream=REDUCE_STREAM)
             n = self.layout.shard_numel
             reduce = PendingReduce(self, work, buffer.narrow(0, self.shard_rank * n, n))
-        if self.comm.stream_provider(buffer.device) is not None and self._outer_stage_issues:
+        # Chained on the outer stream unless a partial sum must first be added on the host's
+        # stream (outer 'optim', or a partial in another dtype): that add runs once the inner
+        # reduction landed, unchained. An all-reduce adds a same-dtype partial on its stream.
+        partial = self.partial_outer
+        if (self.comm.stream_provider(buffer.device) is not None and self._outer_stage_issues
+                and (partial is None or (self.outer is None and partial.dtype == buffer.dtype))):
             reduce.chain_outer()
         return reduce
 
     @property
+    def _has_outer(self) -> bool:
+        """HSDP: there is a dp_outer dimension of more than one rank."""
+        return self.outer is not None or (self.dp.has_outer and self.dp.outer_size > 1)
+
+    @property
+    def _holds_outer(self) -> bool:
+        """The outer stage of the reduction in flight is held back (summed into ``partial_outer``)."""
+        return self._has_outer and (self._defer_outer or (self.outer is None and not self.requires_all_reduce))
+
+    @property
     def _outer_stage_issues(self) -> bool:
         """Reducing gradients issues a collective across dp_outer (HSDP, not held back)."""
-        return self.outer is not None or (self.dp.has_outer and self.dp.outer_size > 1 and self.requires_all_reduce)
+        return self._has_outer and not self._holds_outer
+
+    def _hold_outer(self, reduced_shard: torch.Tensor) -> None:
+        """Add a dp_shard-reduced part into the partial sum kept for dp_outer (in ``grad_dtype``)."""
+        if self.partial_outer is None:
+            self.partial_outer = reduced_shard.to(self.grad_dtype)
+        else:
+            self.partial_outer.add_(reduced_shard)
 
     def start_outer_reduction(
         self, reduced_shard: torch.Tensor, after: Pending | None = None
@@ -393,23 +424,27 @@ class GradientPath:
         ``after``: the inner reduction producing ``reduced_shard``, still in flight (on
         side streams only: the outer stream waits on its events; see ``PendingReduce.chained``).
         """
+        if not self._has_outer:
+            return Pending(), reduced_shard
+        if self._holds_outer:  # never chained: the inner reduction has landed
+            self._hold_outer(reduced_shard)
+            return Pending(), None
+        partial, self.partial_outer = self.partial_outer, None
+        if partial is not None and partial.dtype != reduced_shard.dtype:
+            # Summed in grad_dtype, cast once to the communication dtype (never chained: landed).
+            reduced_shard.copy_(partial.add_(reduced_shard))
+            partial = None
         if self.outer is not None:
+            if partial is not None:  # never chained (reduce_grads): the inner reduction has landed
+                reduced_shard = partial.add_(reduced_shard)
             piece = torch.empty(self.layout.shard_numel, dtype=reduced_shard.dtype, device=reduced_shard.device)
             return (
                 reduce_scatter(piece, reduced_shard, self.dp.outer_group, kind="reduce_scatter_outer", comm=self.comm,
                                stream=OUTER_STREAM, after=after),
                 piece,
             )
-        if self.dp.has_outer and self.dp.outer_size > 1:
-            if not self.requires_all_reduce:  # never chained: the inner reduction has landed
-                if self.partial_outer is not None:
-                    reduced_shard = reduced_shard.add_(self.partial_outer)
-                self.partial_outer = reduced_shard
-                return Pending(), None
-            partial, self.partial_outer = self.partial_outer, None
-            return all_reduce(reduced_shard, self.dp.outer_group, comm=self.comm, stream=OUTER_STREAM, after=after,
-                              accumulate=partial), reduced_shard
-        return Pending(), reduced_shard
+        return all_reduce(reduced_shard, self.dp.outer_group, comm=self.comm, stream=OUTER_STREAM, after=after,
+                          accumulate=partial), reduced_shard
 
     def install_grads(self, reduced_shard: torch.Tensor) -> None:
         """Add the reduced shard into the sharded parameters' ``.grad`` (creating them).
