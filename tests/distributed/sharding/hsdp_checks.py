@@ -230,3 +230,34 @@ def hsdp_whole_model_api_reduces_outer_once_per_step(outer: str | int) -> None:
             err = ((g - grads[1][k]).norm() / grads[1][k].norm().clamp_min(1e-12)).item()
             assert err <= 1e-6, f"{outer} {k} at {micro} micro-batches: relative error {err}"
     assert seen[1][0] > 0 and seen[1] == seen[4], (outer, seen)
+
+
+@check(SUITE, world_sizes=(4,), params={"outer": ["no_shard", "optim"]})
+def hsdp_deferred_outer_partial_in_the_policys_precision(outer: str) -> None:
+    """With bf16 gradient communication and fp32 main gradients, the dp_shard-reduced parts of non-last
+    micro-batches are summed in fp32 (main_grads_dtype), and the step's gradients match reducing every
+    micro-batch within 1e-2 relative (bf16 communication: 8 mantissa bits, another order of roundings)."""
+    from megatron_fsdp import MixedPrecisionPolicy
+    from megatron_fsdp.core.lookup import units_of
+
+    rank, n = world()
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    policy = MixedPrecisionPolicy(main_grads_dtype=torch.float32, grad_comm_dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    base = Net()
+    grads = []
+    for is_last in (True, None):
+        model = shard_hsdp(copy.deepcopy(base), "optim_grads_params", mesh=mesh, outer_sharding_strategy=outer,
+                           mp_policy=policy)
+        for m in range(4):
+            last = (m == 3) if is_last is not None else None
+            with microbatch(model, is_first=m == 0, is_last=last):
+                loss_fn(model, local_batch(m, rank, n)).backward()
+            if is_last is not None and m == 2:
+                held = [g.partial_outer for u in units_of(model) for g in u.groups if g.partial_outer is not None]
+                assert held and all(p.dtype == torch.float32 for p in held), [p.dtype for p in held]
+        grads.append({k: p.grad.full_tensor() for k, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for k, g in grads[0].items():
+        err = ((g - grads[1][k]).norm() / grads[1][k].norm().clamp_min(1e-12)).item()
+        assert err <= 1e-2, f"{outer} {k}: relative error {err}"
