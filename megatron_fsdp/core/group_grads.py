@@ -44,10 +44,11 @@ class PendingReduce:
     # behind the inner one with events (FSDP2's all_reduce_stream); the consumer waits for
     # it at the drain only (end of backward, before the optimizer), see ``finish_inner``.
     chained: bool = False
+    defer_outer: bool = False  # HSDP: hold the outer stage (a non-last micro-batch), see reduce_grads
 
     def chain_outer(self) -> None:
         """Issue the outer (dp_outer) stage now, ordered after the inner one on the device, not the host."""
-        self._outer = self.group.start_outer_reduction(self.output, after=self.work)
+        self._outer = self.group.start_outer_reduction(self.output, after=self.work, defer=self.defer_outer)
         self.chained = True
 
     def finish_inner(self) -> None:
@@ -75,7 +76,7 @@ class PendingReduce:
             if not block and not self.work.landed:
                 return False
             self.work.wait()
-            self._outer = self.group.start_outer_reduction(self.output)
+            self._outer = self.group.start_outer_reduction(self.output, defer=self.defer_outer)
         work, reduced = self._outer
         if not block and not (work.landed and self.work.landed):
             return False
@@ -139,10 +140,9 @@ class GradientPath:
         # HSDP, set_requires_all_reduce(False) or a non-last microbatch (``defer_outer`` of
         # reduce_grads): the dp_shard-reduced gradients are summed here, in grad_dtype, instead
         # of being reduced across dp_outer; the next outer reduction adds them in (docs/design.md,
-        # "HSDP"). _defer_outer: the reduction in flight was started with defer_outer.
+        # "HSDP").
         self.requires_all_reduce = True
         self.partial_outer: torch.Tensor | None = None
-        self._defer_outer = False
 
     def _slot_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         return self.params[index].slot_view(buffer)
@@ -358,7 +358,6 @@ class GradientPath:
         """
         if not sync:
             return None
-        self._defer_outer = defer_outer
         buffer = self._take_grads(zeros_if_none, scaling)
         if buffer is None:
             return None
@@ -385,8 +384,9 @@ class GradientPath:
         # Chained on the outer stream unless a partial sum must first be added on the host's
         # stream (outer 'optim', or a partial in another dtype): that add runs once the inner
         # reduction landed, unchained. An all-reduce adds a same-dtype partial on its stream.
+        reduce.defer_outer = defer_outer
         partial = self.partial_outer
-        if (self.comm.stream_provider(buffer.device) is not None and self._outer_stage_issues
+        if (self.comm.stream_provider(buffer.device) is not None and self._outer_stage_issues(defer_outer)
                 and (partial is None or (self.outer is None and partial.dtype == buffer.dtype))):
             reduce.chain_outer()
         return reduce
@@ -396,15 +396,13 @@ class GradientPath:
         """HSDP: there is a dp_outer dimension of more than one rank."""
         return self.outer is not None or (self.dp.has_outer and self.dp.outer_size > 1)
 
-    @property
-    def _holds_outer(self) -> bool:
-        """The outer stage of the reduction in flight is held back (summed into ``partial_outer``)."""
-        return self._has_outer and (self._defer_outer or (self.outer is None and not self.requires_all_reduce))
+    def _holds_outer(self, defer: bool) -> bool:
+        """The outer stage of a reduction started with ``defer`` is held back (summed into ``partial_outer``)."""
+        return self._has_outer and (defer or (self.outer is None and not self.requires_all_reduce))
 
-    @property
-    def _outer_stage_issues(self) -> bool:
+    def _outer_stage_issues(self, defer: bool) -> bool:
         """Reducing gradients issues a collective across dp_outer (HSDP, not held back)."""
-        return self._has_outer and not self._holds_outer
+        return self._has_outer and not self._holds_outer(defer)
 
     def _hold_outer(self, reduced_shard: torch.Tensor) -> None:
         """Add a dp_shard-reduced part into the partial sum kept for dp_outer (in ``grad_dtype``)."""
@@ -414,8 +412,8 @@ class GradientPath:
             self.partial_outer.add_(reduced_shard)
 
     def start_outer_reduction(
-        self, reduced_shard: torch.Tensor, after: Pending | None = None
-    ) -> tuple[Pending, torch.Tensor]:
+        self, reduced_shard: torch.Tensor, after: Pending | None = None, defer: bool = False
+    ) -> tuple[Pending, torch.Tensor | None]:
         """HSDP: start summing the dp_shard-reduced gradients over dp_outer.
 
         Returns the work and where this rank's main-shard part lands: outer 'optim'
@@ -423,10 +421,11 @@ class GradientPath:
         all-reduces in place; without an outer dimension nothing is issued.
         ``after``: the inner reduction producing ``reduced_shard``, still in flight (on
         side streams only: the outer stream waits on its events; see ``PendingReduce.chained``).
+        ``defer``: hold the outer stage (returns None for the result: nothing to install).
         """
         if not self._has_outer:
             return Pending(), reduced_shard
-        if self._holds_outer:  # never chained: the inner reduction has landed
+        if self._holds_outer(defer):  # never chained: the inner reduction has landed
             self._hold_outer(reduced_shard)
             return Pending(), None
         partial, self.partial_outer = self.partial_outer, None
