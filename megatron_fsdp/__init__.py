@@ -7,13 +7,11 @@ Public API (see docs/api.md, docs/whole_model_api.md, docs/checkpointing.md)::
     from megatron_fsdp.mcore import FullyShardedDataParallel   # the Megatron-Core adapter
 """
 
+import importlib
+
 from megatron_fsdp.api.config import DistributedDataParallelConfig
 from megatron_fsdp.api.fully_shard_model import MegatronPrecisionPolicy, fully_shard_model
 from megatron_fsdp.api.megatron_fsdp import MegatronFSDP
-from megatron_fsdp.checkpoint.export import export_full_state_dict, import_full_state_dict
-from megatron_fsdp.checkpoint.iterations import LoadedCheckpoint, load_checkpoint, save_checkpoint
-from megatron_fsdp.checkpoint.sharded_io import load_state, save_state
-from megatron_fsdp.checkpoint.state_dicts import CheckpointMismatchError
 from megatron_fsdp.comm.collectives import CommStats, comm_stats
 from megatron_fsdp.core.grad_scaling import GradScaling
 from megatron_fsdp.core.meta_init import materialize_meta
@@ -65,3 +63,30 @@ __all__ = [
     "save_state",
 ]
 __version__ = "0.1.0"
+
+# The checkpoint names load torch.distributed.checkpoint (about 6 MB resident) on first use,
+# not on ``import megatron_fsdp``: module-level ``__getattr__`` (PEP 562) imports their module
+# when one is first read, ``from megatron_fsdp import save_checkpoint`` included.
+_LAZY = {
+    "CheckpointMismatchError": "megatron_fsdp.checkpoint.state_dicts",
+    "LoadedCheckpoint": "megatron_fsdp.checkpoint.iterations",
+    "export_full_state_dict": "megatron_fsdp.checkpoint.export",
+    "import_full_state_dict": "megatron_fsdp.checkpoint.export",
+    "load_checkpoint": "megatron_fsdp.checkpoint.iterations",
+    "load_state": "megatron_fsdp.checkpoint.sharded_io",
+    "save_checkpoint": "megatron_fsdp.checkpoint.iterations",
+    "save_state": "megatron_fsdp.checkpoint.sharded_io",
+}
+
+
+def __getattr__(name: str) -> object:
+    """Import a lazily re-exported checkpoint name's module on first access (``_LAZY``)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -11,21 +11,29 @@ May import ``comm``, ``memory``, ``sharding`` and ``core``; not ``optim`` or ``a
 The names below are re-exported for ``from megatron_fsdp.checkpoint import ...``.
 """
 
-from megatron_fsdp.checkpoint.export import export_full_state_dict, import_full_state_dict
-from megatron_fsdp.checkpoint.integrity import CheckpointCorruptError, CheckpointIncompleteError
-from megatron_fsdp.checkpoint.iterations import (
-    TRACKER_FILE,
-    AsyncSave,
-    LoadedCheckpoint,
-    async_save_checkpoint,
-    iteration_dir,
-    load_checkpoint,
-    read_latest_iteration,
-    save_checkpoint,
-)
-from megatron_fsdp.checkpoint.model_parallel import ModelParallel
-from megatron_fsdp.checkpoint.sharded_io import load_state, save_state
-from megatron_fsdp.checkpoint.state_dicts import CheckpointMismatchError
+import importlib
+
+# Loaded on first access (PEP 562), so that ``import megatron_fsdp`` (which imports this
+# package's parent only) and ``import megatron_fsdp.checkpoint`` do not load
+# torch.distributed.checkpoint until a checkpoint name is used.
+_LAZY = {
+    "TRACKER_FILE": "iterations",
+    "AsyncSave": "iterations",
+    "CheckpointCorruptError": "integrity",
+    "CheckpointIncompleteError": "integrity",
+    "CheckpointMismatchError": "state_dicts",
+    "LoadedCheckpoint": "iterations",
+    "ModelParallel": "model_parallel",
+    "async_save_checkpoint": "iterations",
+    "export_full_state_dict": "export",
+    "import_full_state_dict": "export",
+    "iteration_dir": "iterations",
+    "load_checkpoint": "iterations",
+    "load_state": "sharded_io",
+    "read_latest_iteration": "iterations",
+    "save_checkpoint": "iterations",
+    "save_state": "sharded_io",
+}
 
 __all__ = [
     "TRACKER_FILE",
@@ -45,3 +53,16 @@ __all__ = [
     "save_checkpoint",
     "save_state",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Import a re-exported name's submodule on first access (``_LAZY``)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -35,18 +35,31 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 @dataclass
 class CommStats:
-    """Bytes and calls per collective kind since the last ``reset``."""
+    """Bytes and calls per collective kind since the last ``reset``.
+
+    ``group_bytes``/``group_calls``: the same per process group, keyed by the group's
+    ``group_name`` (e.g. an HSDP model's ``dp_outer`` traffic apart from its ``dp_shard``
+    traffic); collectives recorded without their group are not in them.
+    """
 
     bytes: Counter = field(default_factory=Counter)
     calls: Counter = field(default_factory=Counter)
+    group_bytes: Counter = field(default_factory=Counter)
+    group_calls: Counter = field(default_factory=Counter)
 
-    def record(self, kind: str, tensor: torch.Tensor) -> None:
-        self.bytes[kind] += tensor.numel() * tensor.element_size()
+    def record(self, kind: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+        size = tensor.numel() * tensor.element_size()
+        self.bytes[kind] += size
         self.calls[kind] += 1
+        if group is not None:
+            self.group_bytes[group.group_name] += size
+            self.group_calls[group.group_name] += 1
 
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.group_bytes.clear()
+        self.group_calls.clear()
 
     @property
     def total_bytes(self) -> int:
@@ -78,10 +91,10 @@ class CommConfig:
             return self.streams
         return CUDA_STREAMS if device.type == "cuda" else None
 
-    def record(self, kind: str, tensor: torch.Tensor) -> None:
-        comm_stats.record(kind, tensor)
+    def record(self, kind: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+        comm_stats.record(kind, tensor, group)
         if self.stats is not None:
-            self.stats.record(kind, tensor)
+            self.stats.record(kind, tensor, group)
 
 
 DEFAULT_COMM = CommConfig()  # the defaults; counted in ``comm_stats`` only
@@ -341,7 +354,7 @@ def all_gather(
     """
     _check_no_alias(output, shard, "all_gather")
     pending = Pending() if into is None else into
-    comm.record(kind, output)
+    comm.record(kind, output, group)
     world = dist.get_world_size(group)
     if world > 1 and _is_gloo(output, group, comm):
         _after_events(after, False)
@@ -373,7 +386,7 @@ def reduce_scatter(
     summed in place (see ``CommConfig.gloo_fast_paths``). ``stream``, ``after``: as for ``all_gather``.
     """
     _check_no_alias(output, input, "reduce_scatter")
-    comm.record(kind, input)
+    comm.record(kind, input, group)
     if _is_gloo(input, group, comm) and dist.get_world_size(group) == 2:
         _after_events(after, False)
         return _exchange_halves(output, input, group)
@@ -426,7 +439,7 @@ def all_reduce(
     ``tensor`` first, on the same stream (HSDP's partial sums; FSDP2 accumulates on its
     reduction stream too) and held as long as ``tensor``.
     """
-    comm.record("all_reduce", tensor)
+    comm.record("all_reduce", tensor, group)
 
     def issue(async_op: bool) -> dist.Work | None:
         if accumulate is not None:
@@ -441,7 +454,7 @@ def broadcast(
     tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup, *, comm: CommConfig = DEFAULT_COMM
 ) -> Pending:
     """Copy ``tensor`` from group rank ``src_rank`` to every rank of ``group``."""
-    comm.record("broadcast", tensor)
+    comm.record("broadcast", tensor, group)
     src = dist.get_global_rank(group, src_rank)
     pending = Pending()
     with _issuing(pending):
@@ -454,5 +467,5 @@ def all_reduce_max(
 ) -> None:
     """Element-wise maximum of ``tensor`` over ``group``, in place, waited for (control rounds; the
     scales of a quantized all-gather, counted as ``kind``)."""
-    comm.record(kind, tensor)
+    comm.record(kind, tensor, group)
     wait_lent(dist.all_reduce, tensor, op=dist.ReduceOp.MAX, group=group)

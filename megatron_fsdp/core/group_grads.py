@@ -44,10 +44,11 @@ class PendingReduce:
     # behind the inner one with events (FSDP2's all_reduce_stream); the consumer waits for
     # it at the drain only (end of backward, before the optimizer), see ``finish_inner``.
     chained: bool = False
+    defer_outer: bool = False  # HSDP: hold the outer stage (a non-last micro-batch), see reduce_grads
 
     def chain_outer(self) -> None:
         """Issue the outer (dp_outer) stage now, ordered after the inner one on the device, not the host."""
-        self._outer = self.group.start_outer_reduction(self.output, after=self.work)
+        self._outer = self.group.start_outer_reduction(self.output, after=self.work, defer=self.defer_outer)
         self.chained = True
 
     def finish_inner(self) -> None:
@@ -75,7 +76,7 @@ class PendingReduce:
             if not block and not self.work.landed:
                 return False
             self.work.wait()
-            self._outer = self.group.start_outer_reduction(self.output)
+            self._outer = self.group.start_outer_reduction(self.output, defer=self.defer_outer)
         work, reduced = self._outer
         if not block and not (work.landed and self.work.landed):
             return False
@@ -136,8 +137,10 @@ class GradientPath:
         # Reductions run on a copy of process_group (core/schedule.py), so that they never
         # interleave with all-gathers differently on different ranks.
         self.reduce_process_group: dist.ProcessGroup = self.process_group
-        # HSDP, set_requires_all_reduce(False): shard-reduced gradients summed here instead of
-        # all-reduced across dp_outer; the next all-reduce adds them in.
+        # HSDP, set_requires_all_reduce(False) or a non-last microbatch (``defer_outer`` of
+        # reduce_grads): the dp_shard-reduced gradients are summed here, in grad_dtype, instead
+        # of being reduced across dp_outer; the next outer reduction adds them in (docs/design.md,
+        # "HSDP").
         self.requires_all_reduce = True
         self.partial_outer: torch.Tensor | None = None
 
@@ -342,11 +345,16 @@ class GradientPath:
         unreduced = self.grad_buffer is not None or self.contribution is not None or bool(self._stash)
         return (unreduced and not self.reduced_this_backward) or self.partial_outer is not None
 
-    def reduce_grads(self, sync: bool, scaling: GradScaling, *, zeros_if_none: bool = False) -> PendingReduce | None:
+    def reduce_grads(
+        self, sync: bool, scaling: GradScaling, *, zeros_if_none: bool = False, defer_outer: bool = False
+    ) -> PendingReduce | None:
         """Start reducing the accumulated gradients (unless ``sync`` is off).
 
         ``zeros_if_none``: with nothing accumulated here, reduce zeros (this rank
-        still takes part in a reduction other ranks issue).
+        still takes part in a reduction other ranks issue). ``defer_outer`` (HSDP, a
+        non-last micro-batch): reduce inside dp_shard only and add the result to the
+        partial sum held for dp_outer; the first reduction without it reduces the sum
+        across dp_outer once (all-reduce, or reduce-scatter under outer 'optim').
         """
         if not sync:
             return None
@@ -373,18 +381,39 @@ class GradientPath:
             work = all_reduce(buffer, self.reduce_process_group, comm=self.comm, stream=REDUCE_STREAM)
             n = self.layout.shard_numel
             reduce = PendingReduce(self, work, buffer.narrow(0, self.shard_rank * n, n))
-        if self.comm.stream_provider(buffer.device) is not None and self._outer_stage_issues:
+        # Chained on the outer stream unless a partial sum must first be added on the host's
+        # stream (outer 'optim', or a partial in another dtype): that add runs once the inner
+        # reduction landed, unchained. An all-reduce adds a same-dtype partial on its stream.
+        reduce.defer_outer = defer_outer
+        partial = self.partial_outer
+        if (self.comm.stream_provider(buffer.device) is not None and self._outer_stage_issues(defer_outer)
+                and (partial is None or (self.outer is None and partial.dtype == buffer.dtype))):
             reduce.chain_outer()
         return reduce
 
     @property
-    def _outer_stage_issues(self) -> bool:
+    def _has_outer(self) -> bool:
+        """HSDP: there is a dp_outer dimension of more than one rank."""
+        return self.outer is not None or (self.dp.has_outer and self.dp.outer_size > 1)
+
+    def _holds_outer(self, defer: bool) -> bool:
+        """The outer stage of a reduction started with ``defer`` is held back (summed into ``partial_outer``)."""
+        return self._has_outer and (defer or (self.outer is None and not self.requires_all_reduce))
+
+    def _outer_stage_issues(self, defer: bool) -> bool:
         """Reducing gradients issues a collective across dp_outer (HSDP, not held back)."""
-        return self.outer is not None or (self.dp.has_outer and self.dp.outer_size > 1 and self.requires_all_reduce)
+        return self._has_outer and not self._holds_outer(defer)
+
+    def _hold_outer(self, reduced_shard: torch.Tensor) -> None:
+        """Add a dp_shard-reduced part into the partial sum kept for dp_outer (in ``grad_dtype``)."""
+        if self.partial_outer is None:
+            self.partial_outer = reduced_shard.to(self.grad_dtype)
+        else:
+            self.partial_outer.add_(reduced_shard)
 
     def start_outer_reduction(
-        self, reduced_shard: torch.Tensor, after: Pending | None = None
-    ) -> tuple[Pending, torch.Tensor]:
+        self, reduced_shard: torch.Tensor, after: Pending | None = None, defer: bool = False
+    ) -> tuple[Pending, torch.Tensor | None]:
         """HSDP: start summing the dp_shard-reduced gradients over dp_outer.
 
         Returns the work and where this rank's main-shard part lands: outer 'optim'
@@ -392,24 +421,29 @@ class GradientPath:
         all-reduces in place; without an outer dimension nothing is issued.
         ``after``: the inner reduction producing ``reduced_shard``, still in flight (on
         side streams only: the outer stream waits on its events; see ``PendingReduce.chained``).
+        ``defer``: hold the outer stage (returns None for the result: nothing to install).
         """
+        if not self._has_outer:
+            return Pending(), reduced_shard
+        if self._holds_outer(defer):  # never chained: the inner reduction has landed
+            self._hold_outer(reduced_shard)
+            return Pending(), None
+        partial, self.partial_outer = self.partial_outer, None
+        if partial is not None and partial.dtype != reduced_shard.dtype:
+            # Summed in grad_dtype, cast once to the communication dtype (never chained: landed).
+            reduced_shard.copy_(partial.add_(reduced_shard))
+            partial = None
         if self.outer is not None:
+            if partial is not None:  # never chained (reduce_grads): the inner reduction has landed
+                reduced_shard = partial.add_(reduced_shard)
             piece = torch.empty(self.layout.shard_numel, dtype=reduced_shard.dtype, device=reduced_shard.device)
             return (
                 reduce_scatter(piece, reduced_shard, self.dp.outer_group, kind="reduce_scatter_outer", comm=self.comm,
                                stream=OUTER_STREAM, after=after),
                 piece,
             )
-        if self.dp.has_outer and self.dp.outer_size > 1:
-            if not self.requires_all_reduce:  # never chained: the inner reduction has landed
-                if self.partial_outer is not None:
-                    reduced_shard = reduced_shard.add_(self.partial_outer)
-                self.partial_outer = reduced_shard
-                return Pending(), None
-            partial, self.partial_outer = self.partial_outer, None
-            return all_reduce(reduced_shard, self.dp.outer_group, comm=self.comm, stream=OUTER_STREAM, after=after,
-                              accumulate=partial), reduced_shard
-        return Pending(), reduced_shard
+        return all_reduce(reduced_shard, self.dp.outer_group, comm=self.comm, stream=OUTER_STREAM, after=after,
+                          accumulate=partial), reduced_shard
 
     def install_grads(self, reduced_shard: torch.Tensor) -> None:
         """Add the reduced shard into the sharded parameters' ``.grad`` (creating them).

@@ -14,8 +14,10 @@ backward. Inside it, with gradient accumulation over micro-batches:
 - ``is_last=False``: not the last micro-batch. Weights stay gathered until the
   last one's backward, and full-size gradients (``no_shard``, ``optim``)
   accumulate locally in ``main_grad`` instead of being all-reduced; sharded
-  gradients (``optim_grads``, ``optim_grads_params``) are still reduced every
-  micro-batch (they accumulate in the small sharded ``.grad``);
+  gradients (``optim_grads``, ``optim_grads_params``) are still reduce-scattered
+  inside ``dp_shard`` every micro-batch, and under HSDP their reduction across
+  ``dp_outer`` is deferred: the parts are summed locally and reduced across
+  replicas once, in the last micro-batch (docs/design.md, section 8);
 - ``is_last=True``: the last micro-batch: everything is reduced, and the
   weights are released for the optimizer step.
 
@@ -66,7 +68,7 @@ def microbatch(module: nn.Module, is_first: bool, is_last: bool | None = None) -
         is_first: the first micro-batch of a step (weights are refreshed from the
             main weights the last optimizer step updated).
         is_last: the last micro-batch of a step (True), not the last (False:
-            full-size gradient reductions are deferred), or None (unknown: reduce
+            full-size and HSDP outer reductions are deferred), or None (unknown: reduce
             every backward, as outside the context).
     """
     if not isinstance(module, nn.Module):

@@ -658,13 +658,16 @@ class CollectiveSchedule:
         agreed order, with zeros from the ranks that hold nothing for it.
         """
         chosen = {id(g) for u in units for g in u.groups}
-        pending = [id(g) in chosen and g.requires_grad and g.holds_grads for g in self.groups]
+        # A partial sum held for dp_outer (non-last micro-batches) is pending too: reduced with zeros
+        # inside dp_shard (every rank of the group takes part), then once across dp_outer.
+        pending = [id(g) in chosen and g.requires_grad and (g.holds_grads or g.partial_outer is not None)
+                   for g in self.groups]
         result = self._round(active=False, extra=pending)
         order = [g for i in reversed(self.unit_order) for g in self.units[i].groups]
         self._reduce_log = []
         for group in order:
             if result.extra[self.group_index[id(group)]]:
-                self._reduce(group, install=True)
+                self._reduce(group, install=True, defer_outer=False)
         self._last_reduce_digest = _digest(self._reduce_log)
 
     def advance_reductions(self) -> None:
@@ -683,11 +686,16 @@ class CollectiveSchedule:
             self._reduce_next += 1
             self._reduce(group)
 
-    def _reduce(self, group: ParamGroup, *, install: bool = False) -> None:
-        """Reduce ``group`` now (zeros if nothing is here); ``install``: some rank surely had gradients."""
-        if group.holds_grads:
+    def _reduce(self, group: ParamGroup, *, install: bool = False, defer_outer: bool | None = None) -> None:
+        """Reduce ``group`` now (zeros if nothing is here); ``install``: some rank surely had gradients.
+
+        ``defer_outer``: hold the HSDP outer stage (None: as the group's unit says, in a backward).
+        """
+        if group.holds_grads or group.partial_outer is not None:
             group.received_grads = True  # real contributions here (this backward or accumulated)
-        reduce = group.reduce_grads(True, self.unit_of[id(group)].grad_scaling, zeros_if_none=True)
+        unit = self.unit_of[id(group)]
+        defer = unit.defers_outer_now if defer_outer is None else defer_outer
+        reduce = group.reduce_grads(True, unit.grad_scaling, zeros_if_none=True, defer_outer=defer)
         reduce.defer_install = not (install or group.received_grads)
         self._track(reduce)
         self._issued.add(self.group_index[id(group)])

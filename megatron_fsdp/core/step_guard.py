@@ -146,9 +146,13 @@ def check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
         "gradient sync is still off (set_requires_gradient_sync(True) before the last micro-batch's backward); "
         if sync_off else ""
     )
-    if any(g.partial_outer is not None for u in units for g in u.groups):
+    held = [g for u in units for g in u.groups if g.partial_outer is not None]
+    if any(not g.requires_all_reduce for g in held):
         hint += ("their all-reduce across replicas is still off "
                  "(set_requires_all_reduce(True) before the last micro-batch's backward); ")
+    elif held:
+        hint += ("their reduction across replicas (HSDP's dp_outer) was deferred by microbatch(..., is_last=False) "
+                 "and has not run; ")
     raise RuntimeError(
         f"{type(optimizer).__name__}.step(): {names} still hold gradients accumulated but not reduced across "
         f"data-parallel ranks, so their .grad is missing or partial; {hint}call microbatch(..., is_last=True) on "

@@ -203,6 +203,12 @@ class FSDPUnit:
         return self.microbatch is None or self.microbatch.is_last or self.plan.grads
 
     @property
+    def defers_outer_now(self) -> bool:
+        """HSDP: this backward's reductions stop inside dp_shard (a non-last ``microbatch``);
+        the outer stage runs once, at the last micro-batch or ``finish_grad_sync``."""
+        return self.microbatch is not None and not self.microbatch.is_last
+
+    @property
     def optimizer_step_may_follow(self) -> bool:
         """After this backward the main weights may change (not inside accumulation).
 
@@ -469,7 +475,7 @@ class FSDPUnit:
             with trace_range(REDUCE_ISSUE, self.device):
                 self.root_state.schedule.advance_reductions()
         else:
-            reduce = group.reduce_grads(self.reduces_now, self.grad_scaling)
+            reduce = group.reduce_grads(self.reduces_now, self.grad_scaling, defer_outer=self.defers_outer_now)
             if reduce is not None:
                 with trace_range(REDUCE_WAIT, self.device):
                     reduce.finish()

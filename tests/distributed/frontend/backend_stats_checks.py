@@ -69,3 +69,32 @@ def num_zeros_and_params_norm_count_each_entry_once(backend: str) -> None:
     expected_norm = torch.linalg.vector_norm(torch.cat([p.detach().flatten() for p in replica.parameters()]))
     assert abs(stats.params_norm() - float(expected_norm)) <= 1e-6 * float(expected_norm), (
         stats.params_norm(), float(expected_norm))
+
+
+@check(SUITE, world_sizes=(4,))
+def pretrain_gpt_hsdp_reduces_across_replicas_once_per_step() -> None:
+    """pretrain_gpt.py with --num-distributed-optimizer-instances 2 (dp_outer 2 x dp_shard 2), ZeRO-3: the outer
+    all-reduces per iteration are the same with 1 and 4 micro-batches (global batch 8 and 32 at micro-batch 2),
+    while the inner reduce-scatters run once per micro-batch (4x)."""
+    import contextlib
+    import io
+
+    from megatron.training.training import pretrain
+    from megatron_fsdp import comm_stats
+    from pretrain_gpt import forward_step, model_provider
+
+    per_iteration = {}
+    for global_batch in (8, 32):
+        argv = ("--mock-data --vocab-size 60 --num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+                f"--micro-batch-size 2 --global-batch-size {global_batch} --train-iters 2 --log-interval 2 "
+                "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+                "--num-distributed-optimizer-instances 2").split()
+        comm_stats.reset()
+        with contextlib.redirect_stdout(io.StringIO()):
+            pretrain(model_provider, forward_step, argv)
+        per_iteration[global_batch] = {k: comm_stats.calls[k] / 2 for k in ("all_reduce", "reduce_scatter")}
+    one, four = per_iteration[8], per_iteration[32]
+    assert one["all_reduce"] > 0 and four["all_reduce"] == one["all_reduce"], per_iteration
+    assert four["reduce_scatter"] == 4 * one["reduce_scatter"] > 0, per_iteration
+    if dist.get_rank() == 0:
+        print(f"pretrain_gpt HSDP calls per iteration (1 vs 4 micro-batches): {per_iteration}")

@@ -1,0 +1,77 @@
+"""``import megatron_fsdp`` leaves torch.distributed.checkpoint unloaded; every public name still imports.
+
+The checkpoint names of ``megatron_fsdp`` and ``megatron_fsdp.checkpoint`` are re-exported
+lazily (module-level ``__getattr__``, PEP 562, over a ``_LAZY`` map) so that importing the
+library does not pay for DCP (about 2.5 MB resident, ``benchmarks/import_rss.py``). The
+lazy imports go through ``importlib.import_module``, which ``test_import_graph.py`` does not
+see; ``test_lazy_targets_are_package_modules`` checks those edges here instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fresh(code: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_does_not_load_the_checkpoint_machinery() -> None:
+    seen = _fresh(
+        "import json, sys, torch.distributed.fsdp\n"
+        "before = set(sys.modules)\n"
+        "import megatron_fsdp, megatron_fsdp.checkpoint\n"
+        "added = set(sys.modules) - before\n"
+        "print(json.dumps({'dcp': sorted(m for m in added if m.startswith('torch.distributed.checkpoint')),"
+        " 'ours': sorted(m for m in added if m.startswith('megatron_fsdp.checkpoint.'))}))"
+    )
+    assert seen["dcp"] == [], f"import megatron_fsdp loaded {seen['dcp']}"
+    assert seen["ours"] == [], f"import megatron_fsdp loaded checkpoint modules {seen['ours']}"
+
+
+def test_every_public_name_resolves_and_then_loads_dcp() -> None:
+    seen = _fresh(
+        "import json, sys\n"
+        "import megatron_fsdp, megatron_fsdp.checkpoint as ck\n"
+        "from megatron_fsdp import save_checkpoint, load_checkpoint, CheckpointMismatchError\n"
+        "from megatron_fsdp.checkpoint import AsyncSave, TRACKER_FILE\n"
+        "missing = [n for m in (megatron_fsdp, ck) for n in m.__all__ if getattr(m, n, None) is None]\n"
+        "undir = [n for m in (megatron_fsdp, ck) for n in m.__all__ if n not in dir(m)]\n"
+        "print(json.dumps({'missing': missing, 'undir': undir, 'same': megatron_fsdp.save_checkpoint is "
+        "ck.save_checkpoint, 'dcp': 'torch.distributed.checkpoint' in sys.modules}))"
+    )
+    assert seen == {"missing": [], "undir": [], "same": True, "dcp": True}, seen
+
+
+def test_unknown_name_is_an_attribute_error() -> None:
+    import megatron_fsdp
+    import megatron_fsdp.checkpoint
+
+    for module in (megatron_fsdp, megatron_fsdp.checkpoint):
+        try:
+            module.no_such_name  # noqa: B018
+        except AttributeError as error:
+            assert "no_such_name" in str(error)
+        else:
+            raise AssertionError(f"{module.__name__}.no_such_name did not raise AttributeError")
+
+
+def test_lazy_targets_are_package_modules() -> None:
+    import megatron_fsdp
+    import megatron_fsdp.checkpoint
+
+    for name, module in megatron_fsdp._LAZY.items():
+        assert module.startswith("megatron_fsdp.checkpoint."), (name, module)
+        assert hasattr(importlib.import_module(module), name), (name, module)
+        assert name in megatron_fsdp.__all__, name
+    for name, sub in megatron_fsdp.checkpoint._LAZY.items():
+        assert hasattr(importlib.import_module(f"megatron_fsdp.checkpoint.{sub}"), name), (name, sub)
+        assert name in megatron_fsdp.checkpoint.__all__, name
+    assert set(megatron_fsdp.checkpoint.__all__) == set(megatron_fsdp.checkpoint._LAZY)
