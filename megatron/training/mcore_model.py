@@ -82,12 +82,6 @@ def mcore_blockers(args: argparse.Namespace) -> list[str]:
     if _arg(args, "transformer_impl", "local") == "transformer_engine" and not _have_transformer_engine():
         blockers.append("--transformer-impl transformer_engine needs TransformerEngine, which is not installed "
                         "(pass --transformer-impl local for megatron-core's own layers)")
-    if cuda_absent() and _arg(args, "bf16", False) and not (_arg(args, "use_megatron_fsdp", False)
-                                                          or _arg(args, "use_torch_fsdp2", False)):
-        # DDP computes in bf16 under autocast; megatron-core's linear layers restore only CUDA's autocast state in
-        # their backward (tensor_parallel/layers.py), so on CPU the backward matmuls mix bf16 and fp32 and fail
-        blockers.append("--bf16 under DDP on CPU: megatron-core's layers run their backward outside CPU autocast "
-                        "(use --use-megatron-fsdp, any --data-parallel-sharding-strategy, or --use-torch-fsdp2)")
     if args.context_parallel_size > 1:
         blockers.append("--context-parallel-size > 1: megatron-core's context parallelism is not wired into this "
                         "front-end (it needs TransformerEngine's attention)")
