@@ -1,7 +1,7 @@
 """megatron-core's own GPTModel under our adapter vs megatron-core's DistributedDataParallel and torch DDP.
 
-Runs only with megatron-core 0.16.1 importable (tests/distributed/mcore/test_mcore_model.py starts
-a process with .venv/extras/mcore on the path). The model is built by the front-end
+Runs with megatron-core 0.16.1 (installed in the venv by .ci/setup.sh; tests/distributed/mcore/
+test_mcore_model.py runs it in a separate process). The model is built by the front-end
 (``megatron/training/mcore_model.py``: Megatron's flag-to-TransformerConfig mapping, the local
 layer spec, on CPU through ``mcore_cpu_compat``) with dropout on: every arm reseeds the CPU
 generator and megatron-core's RNG tracker before each step, so all draw the same masks.
