@@ -24,12 +24,21 @@ else
   origin="the default package index"
 fi
 $PIP install -q "torch==$TORCH_VERSION"  # torch's own dependencies (and torch itself after step 3)
+# megatron-core (the front-end's model and foundation, pinned in the training extra) before the package, so that a
+# platform without its wheel (macOS: megatron-core ships Linux wheels only; its sdist compiles a C++ extension) stops
+# here with what it needs instead of a compiler's trace. torch is installed already, so pip keeps that build.
+MCORE_VERSION=0.16.1
+if ! mcore_log=$($PIP install -q "megatron-core==$MCORE_VERSION" 2>&1); then
+  echo "$mcore_log" | tail -n 5 >&2
+  echo "setup: error: megatron-core==$MCORE_VERSION could not be installed on $(uname -s) $(uname -m)." \
+       "It has wheels for Linux (x86_64, aarch64) only; elsewhere (macOS) pip builds its source distribution," \
+       "which compiles a C++ extension and needs a C++ compiler (macOS: xcode-select --install) and pybind11" \
+       "(.venv/bin/pip install pybind11), then run .ci/setup.sh again. README.md, \"Set-up on macOS\"." >&2
+  exit 1
+fi
 $PIP install -q -e ".[test,training]"
 # After numpy is installed (with the training extra): importing torch before that warns "Failed to initialize NumPy".
 .venv/bin/python -c 'import sys, torch; build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"; print(f"setup: torch {torch.__version__} ({build} build) from {sys.argv[1]}")' "$origin"
-# megatron-core, beside (not in) the test environment: tests/distributed/mcore/test_mcore_model.py runs the
-# adapter against it in a separate process, while the rest of the suite proves we work without it.
-$PIP install -q --no-deps --target .venv/extras/mcore megatron-core==0.16.1
 # torchao for the float8 all-gather tests (tests/distributed/core/test_float8.py, which skip without it). --no-deps:
 # it needs only torch; its CUDA kernels fail to load on CPU (a warning) and float8 training runs without them.
 $PIP install -q --no-deps "torchao==0.18.0" || echo "setup: torchao not installed; the float8 tests will skip"

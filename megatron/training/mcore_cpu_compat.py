@@ -165,6 +165,21 @@ class _DropForkWarning(logging.Filter):
 
 
 @dataclass(frozen=True)
+class CPUAutocastRewrap:
+    """A replacement computed from what it replaces: megatron-core's tensor-parallel linear autograd functions are
+    wrapped by ``torch.amp.custom_fwd/custom_bwd(device_type="cuda")``, so under CPU autocast (bf16 DDP on CPU) their
+    backward runs outside autocast and mixes bf16 and fp32 matmuls. The function under that wrapper
+    (``__wrapped__``) is wrapped again for ``device_type="cpu"``: the forward records CPU autocast's state, the
+    backward runs under it, as the CUDA wrapper does on GPUs."""
+
+    kind: str  # "fwd" or "bwd"
+
+    def __call__(self, decorated):
+        wrap = torch.amp.custom_fwd if self.kind == "fwd" else torch.amp.custom_bwd
+        return staticmethod(wrap(decorated.__wrapped__, device_type="cpu"))
+
+
+@dataclass(frozen=True)
 class Patch:
     """One redirection: ``module.target`` (dotted) becomes ``replacement``.
 
@@ -243,6 +258,13 @@ PATCHES: tuple[Patch, ...] = (
           "torch.cuda.random.get_rng_state(device=device)", _get_cpu_rng_state),
     Patch("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", "tensor_parallel/random.py", (84,),
           "_cuda_setRNGState", _set_cpu_rng_state),
+    # The linear layers' autograd functions restore only CUDA's autocast state in their backward (custom_bwd with
+    # device_type="cuda"): on CPU, --bf16 under DDP (autocast) failed in their backward (CPUAutocastRewrap).
+    *(Patch("megatron.core.tensor_parallel.layers", f"{cls}.{method}", "tensor_parallel/layers.py", (line,),
+            f"@custom_{kind}", CPUAutocastRewrap(kind))
+      for cls, lines in (("LinearWithFrozenWeight", (335, 347)),
+                         ("LinearWithGradAccumulationAndAsyncCommunication", (447, 494)))
+      for method, kind, line in zip(("forward", "backward"), ("fwd", "bwd"), lines)),
 )
 
 # Not a replacement: a log filter on the fork() warning at this line (see _DropForkWarning).
@@ -320,7 +342,11 @@ def apply_cpu_compat() -> bool:
         )
     for patch in PATCHES:
         owner, _, attr = patch.target.rpartition(".")
-        setattr(_resolve(importlib.import_module(patch.module), owner), attr, patch.replacement)
+        holder = _resolve(importlib.import_module(patch.module), owner)
+        replacement = patch.replacement
+        if isinstance(replacement, CPUAutocastRewrap):
+            replacement = replacement(getattr(holder, attr))
+        setattr(holder, attr, replacement)
     logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropForkWarning())
     _applied = True
     return True

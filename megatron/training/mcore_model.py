@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -42,10 +42,11 @@ def _arg(args: argparse.Namespace, dest: str, default):
 
 
 def _mcore_version() -> str | None:
-    if importlib.util.find_spec("megatron.core") is None:
+    """megatron-core's version, or None where it cannot be imported (not installed, or blocked: an ImportError)."""
+    try:
+        from megatron.core import package_info
+    except ImportError:
         return None
-    from megatron.core import package_info
-
     return package_info.__version__
 
 
@@ -53,17 +54,20 @@ def _have_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-# Where .ci/setup.sh installs megatron-core beside the test environment (not on the path by default).
-SETUP_COPY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                          ".venv", "extras", "mcore")
+def mcore_fallback_note() -> str | None:
+    """The start-up summary's line for megatron-core's "Transformer Engine and Apex are not installed" warnings
+    (filtered at import by ``megatron/training/__init__.py``), or None where megatron-core is not imported or
+    either is installed."""
+    if "megatron.core" not in sys.modules or _have_transformer_engine() or importlib.util.find_spec("apex"):
+        return None
+    return ("megatron-core: Transformer Engine and Apex are not installed; it uses its local implementations "
+            "(torch optimizers and norms, unfused multi-tensor and clip-grad kernels)")
 
 
 def _not_installed() -> str:
-    """Why megatron-core is missing and how to get it: a new user ran .ci/setup.sh, which keeps a copy aside."""
-    how = f"pip install megatron-core=={MCORE_VERSION}"
-    if os.path.isdir(os.path.join(SETUP_COPY, "megatron", "core")):
-        how = f"PYTHONPATH={os.path.relpath(SETUP_COPY)} puts .ci/setup.sh's copy on the path, or {how}"
-    return f"megatron-core is not installed ({how})"
+    """Why megatron-core is missing and how to get it (.ci/setup.sh installs it, pinned, in the venv)."""
+    return (f"megatron-core is not installed (pip install megatron-core=={MCORE_VERSION}, or "
+            "pip install -e '.[training]'; .ci/setup.sh installs it)")
 
 
 def mcore_blockers(args: argparse.Namespace) -> list[str]:
@@ -78,12 +82,6 @@ def mcore_blockers(args: argparse.Namespace) -> list[str]:
     if _arg(args, "transformer_impl", "local") == "transformer_engine" and not _have_transformer_engine():
         blockers.append("--transformer-impl transformer_engine needs TransformerEngine, which is not installed "
                         "(pass --transformer-impl local for megatron-core's own layers)")
-    if cuda_absent() and _arg(args, "bf16", False) and not (_arg(args, "use_megatron_fsdp", False)
-                                                          or _arg(args, "use_torch_fsdp2", False)):
-        # DDP computes in bf16 under autocast; megatron-core's linear layers restore only CUDA's autocast state in
-        # their backward (tensor_parallel/layers.py), so on CPU the backward matmuls mix bf16 and fp32 and fail
-        blockers.append("--bf16 under DDP on CPU: megatron-core's layers run their backward outside CPU autocast "
-                        "(use --use-megatron-fsdp, any --data-parallel-sharding-strategy, or --use-torch-fsdp2)")
     if args.context_parallel_size > 1:
         blockers.append("--context-parallel-size > 1: megatron-core's context parallelism is not wired into this "
                         "front-end (it needs TransformerEngine's attention)")
@@ -176,6 +174,9 @@ def transformer_config_from_args(args: argparse.Namespace):
         # The fused bias-activation and bias-dropout-add are TorchScript: they run on CPU, left as asked.
     kw["expert_tensor_parallel_size"] = _expert_tensor_parallel_size(args)
     kw["transformer_impl"] = _arg(args, "transformer_impl", "local")
+    # megatron-core's default "full" is deprecated and warns on every rank ("Use empty cuda_graph_scope"), then
+    # becomes []: pass [] as Megatron-LM's --cuda-graph-scope default does (the same config, no warning).
+    kw.setdefault("cuda_graph_scope", [])
     return config_class(**{k: v for k, v in kw.items() if k in names})
 
 

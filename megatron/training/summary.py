@@ -20,6 +20,7 @@ from megatron_fsdp.checkpoint import iteration_dir
 from megatron_fsdp.core.module import FSDPModule
 from megatron_fsdp.plan import Precision, RankPlan, UnitShape, plan_rank
 
+from .mcore_model import mcore_fallback_note
 from .parallel_state import ParallelLayout
 
 MIB = 1 << 20
@@ -151,8 +152,11 @@ def startup_summary(args: argparse.Namespace, layout: ParallelLayout, module: nn
         f"memory estimate per rank (megatron_fsdp.plan; activations not included): {_size(resident)} "
         f"between steps ({parts}); gathered weights in forward/backward {_size(gathered)}",
         f"{start}; checkpoints: " + (f"--save {args.save}" if args.save else "none (no --save)"),
-        "-" * (2 * len(rule) + 8),
     ]
+    note = mcore_fallback_note()
+    if note is not None:
+        lines.append(note)
+    lines.append("-" * (2 * len(rule) + 8))
     return "\n".join(lines)
 
 

@@ -6,12 +6,10 @@
                                                        # (re)write only these entries, keep the others
 
 Running many short jobs inside one process group (``pretrain`` reuses an
-initialised group) keeps the CI cost to one process launch per world size. The
-configurations of megatron-core's model (``Config.mcore``) run last in that group:
-only then do the ranks put megatron-core (``.venv/extras/mcore``, put there by
-``.ci/setup.sh``) on their path, which the other configurations must not see
-(``--model-provider auto`` would build it). Without megatron-core those
-configurations report ``skipped``.
+initialised group) keeps the CI cost to one process launch per world size.
+megatron-core is installed in the environment (``.ci/setup.sh``); the configurations
+of the project's own GPT name it (``--model-provider gpt``, configs.py) until they move
+to megatron-core's model.
 """
 
 from __future__ import annotations
@@ -20,11 +18,9 @@ import argparse
 import contextlib
 import datetime
 import gc
-import importlib
 import io
 import json
 import os
-import sys
 import tempfile
 import time
 import traceback
@@ -33,14 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron.training.mcore_model import SETUP_COPY as MCORE_EXTRA  # .ci/setup.sh's copy of megatron-core
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden_values.json")
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str,
-            only: list[str] | None = None, mcore_path: str | None = None) -> None:
+            only: list[str] | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -58,12 +52,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, ckpt_root: str,
         return model
 
     chosen = [c for c in by_world_size(world_size) if only is None or c.name in only]
-    # megatron-core's configurations last, after the others ran without it importable
-    chosen = [c for c in chosen if not c.mcore] + ([c for c in chosen if c.mcore] if mcore_path else [])
     for config in chosen:
-        if config.mcore and mcore_path not in sys.path:
-            sys.path.insert(0, mcore_path)  # the ``megatron`` namespace package now finds megatron.core too
-            importlib.invalidate_caches()
         log = io.StringIO()
         built.clear()
         start = time.perf_counter()
@@ -101,16 +90,12 @@ def run_world(world_size: int, ckpt_root: str, only: list[str] | None = None) ->
 
     chosen = [c for c in by_world_size(world_size) if only is None or c.name in only]
     results = {}
-    mcore_path = MCORE_EXTRA if os.path.isdir(os.path.join(MCORE_EXTRA, "megatron", "core")) else None
-    if mcore_path is None:
-        results.update({c.name: {"skipped": f"megatron-core is not installed in {MCORE_EXTRA} (.ci/setup.sh)"}
-                        for c in chosen if c.mcore})
-    if len(results) == len(chosen):
+    if not chosen:
         return results
-    # One spawned gloo group for every configuration of this world size (megatron-core's last).
+    # One spawned gloo group for every configuration of this world size.
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.start_processes(_worker, args=(world_size, free_port(), out_dir, ckpt_root, only, mcore_path),
+            mp.start_processes(_worker, args=(world_size, free_port(), out_dir, ckpt_root, only),
                                nprocs=world_size, start_method="spawn", join=True)
         except mp.ProcessExitedException:
             if not os.path.exists(os.path.join(out_dir, "results.json")):
@@ -134,8 +119,6 @@ def main() -> None:
     ckpt_root = tempfile.mkdtemp(prefix="functional-ckpt-")
     for world_size in sorted(args.world_sizes):
         for name, result in run_world(world_size, ckpt_root, args.configs).items():
-            if "skipped" in result:
-                raise SystemExit(f"{name}: {result['skipped']}")
             if "error" in result:
                 raise SystemExit(f"{name} failed:\n{result['error']}")
             golden[name] = {"lm loss": result["lm loss"], "grad norm": result["grad norm"]}

@@ -36,7 +36,9 @@ BASE = ("--mock-data --vocab-size 60 --make-vocab-size-divisible-by 32 --num-lay
         "--num-attention-heads 4 --group-query-attention --num-query-groups 2 --swiglu "
         "--untie-embeddings-and-output-weights "
         "--seq-length 16 --micro-batch-size 2 --global-batch-size 8 --log-interval 1 --train-iters 8 "
-        "--attention-dropout 0 --hidden-dropout 0 --lr 1e-3").split()
+        "--attention-dropout 0 --hidden-dropout 0 --lr 1e-3 "
+        # the project's own GPT, as before megatron-core was installed, until issue 37 moves these layouts
+        "--model-provider gpt").split()
 FSDP = "--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy optim_grads_params".split()
 DP = FSDP  # TP 1, data parallelism alone (ZeRO-3)
 DDP_TP2 = ["--tensor-model-parallel-size", "2"]  # the DDP baseline (it saves the same format)

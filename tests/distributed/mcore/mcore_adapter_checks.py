@@ -1,9 +1,8 @@
 """The Megatron adapter ``FullyShardedDataParallel``: config translation, methods, parity with DDP, errors.
 
-Runs with and without megatron-core: with it (tests/distributed/mcore/test_mcore_model.py
-puts an installed copy on the path of a separate process), megatron-core's own
-config objects are passed and the adapter must be an instance of its
-data-parallel base class.
+Runs with and without megatron-core: with it (tests/distributed/mcore/test_mcore_model.py), megatron-core's
+own config objects are passed and the adapter must be an instance of its data-parallel base class; without it
+(test_mcore_adapter.py, where tests/no_megatron_core/ blocks ``import megatron.core``) ours are.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """megatron-core's own GPTModel under our adapter vs megatron-core's DistributedDataParallel and torch DDP.
 
-Runs only with megatron-core 0.16.1 importable (tests/distributed/mcore/test_mcore_model.py starts
-a process with .venv/extras/mcore on the path). The model is built by the front-end
+Runs with megatron-core 0.16.1 (installed in the venv by .ci/setup.sh; tests/distributed/mcore/
+test_mcore_model.py runs it in a separate process). The model is built by the front-end
 (``megatron/training/mcore_model.py``: Megatron's flag-to-TransformerConfig mapping, the local
 layer spec, on CPU through ``mcore_cpu_compat``) with dropout on: every arm reseeds the CPU
 generator and megatron-core's RNG tracker before each step, so all draw the same masks.
@@ -475,8 +475,7 @@ def model_choice_names_the_cause() -> None:
     assert auto.model_provider == "mcore" and "megatron-core 0.16.1 is installed" in auto.model_provider_reason
     for flags, cause in ((["--context-parallel-size", "2"], "--context-parallel-size > 1"),
                          (["--num-experts", "2"], "--num-experts"),
-                         (["--use-megatron-fsdp", "--init-model-with-meta-device"], "--init-model-with-meta-device"),
-                         (["--bf16"], "--bf16 under DDP on CPU")):
+                         (["--use-megatron-fsdp", "--init-model-with-meta-device"], "--init-model-with-meta-device")):
         fallback = args_for(*flags)
         assert fallback.model_provider == "gpt" and cause in fallback.model_provider_reason, vars(fallback)
         try:
@@ -488,7 +487,7 @@ def model_choice_names_the_cause() -> None:
     for flags in (["--num-experts", "2", "--no-bias-gelu-fusion"], ["--num-experts", "2", "--swiglu",
                                                                    "--disable-bias-linear"]):
         assert args_for(*flags).model_provider == "mcore", f"megatron-core's MoELayer runs {flags}"
-    for backend in (["--use-megatron-fsdp"], ["--use-torch-fsdp2"]):
+    for backend in ([], ["--use-megatron-fsdp"], ["--use-torch-fsdp2"]):  # []: plain DDP (CPUAutocastRewrap)
         assert args_for("--bf16", *backend).model_provider == "mcore", f"--bf16 with {backend} runs megatron-core"
     # megatron-core's MoELayer under TP: with --sequence-parallel, experts split over the expert TP group (Megatron's
     # default: the TP size); whole experts (--expert-tensor-parallel-size 1) only under expert parallelism

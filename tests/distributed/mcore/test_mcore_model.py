@@ -1,11 +1,10 @@
 """megatron-core's own GPTModel under our engine (mcore_model_checks.py), and the Megatron adapter
 (mcore_adapter_checks.py) with megatron-core's own config objects, at 2 and 4 gloo ranks.
 
-megatron-core lives in ``.venv/extras/mcore`` (``.ci/setup.sh``), outside this environment's
-path, so that the rest of the suite proves the library and the front-end work without it;
-each world size runs its checks in one process that has it on its path, both suites in one
-spawned group at 2 ranks (a launch costs seconds; the adapter's suite runs only at 2 here).
-test_mcore_adapter.py runs the adapter's suite without megatron-core.
+megatron-core is installed in the environment (``.ci/setup.sh``, pinned in the ``training`` extra);
+each world size runs its checks in one separate process, both suites in one spawned group at 2 ranks
+(a launch costs seconds; the adapter's suite runs only at 2 here). test_mcore_adapter.py runs the
+adapter's suite where megatron-core cannot be imported (tests/no_megatron_core/).
 """
 
 from __future__ import annotations
@@ -21,10 +20,9 @@ import tempfile
 
 import pytest
 
-from megatron.training.mcore_model import SETUP_COPY as MCORE_EXTRA  # .ci/setup.sh's copy of megatron-core
 from tests import ROOT
 
-# checks modules (named: only the child process can import megatron-core) -> their suite names
+# checks modules (named: imported by the child process only) -> their suite names
 MODEL, ADAPTER = "tests.distributed.mcore.mcore_model_checks", "tests.distributed.mcore.mcore_adapter_checks"
 SUITE_OF = {MODEL: "mcore_model", ADAPTER: "mcore_adapter"}
 # the suites each world size runs with megatron-core importable, in one spawned group
@@ -56,7 +54,7 @@ def run_with_megatron_core(world_size: int) -> tuple[dict[str, dict[str, list[st
         f"assert [m.SUITE for m in modules] == {[SUITE_OF[m] for m in modules]!r}\n"
         f"print('RESULT', json.dumps(run_suites([(m.__name__, m.SUITE) for m in modules], {world_size})))\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([MCORE_EXTRA, ROOT]), HANDOFF_ENV: _handoff_dir()}
+    env = {**os.environ, "PYTHONPATH": ROOT, HANDOFF_ENV: _handoff_dir()}
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=1200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -64,14 +62,8 @@ def run_with_megatron_core(world_size: int) -> tuple[dict[str, dict[str, list[st
     return json.loads(line[len("RESULT "):]), out.stderr
 
 
-def _skip_without_megatron_core() -> None:
-    if not os.path.isdir(os.path.join(MCORE_EXTRA, "megatron", "core")):
-        pytest.skip(f"megatron-core not installed in {MCORE_EXTRA} (.ci/setup.sh puts it there)")
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_megatron_core_gpt_model_under_our_engine(world_size):
-    _skip_without_megatron_core()
     results = run_with_megatron_core(world_size)[0][SUITE_OF[MODEL]]
     assert results, "no check ran"
     failures = {name: errors for name, errors in results.items() if errors}
@@ -79,7 +71,6 @@ def test_megatron_core_gpt_model_under_our_engine(world_size):
 
 
 def test_mcore_adapter_with_megatron_core():
-    _skip_without_megatron_core()
     suites, stderr = run_with_megatron_core(2)
     results = suites[SUITE_OF[ADAPTER]]
     assert results, "no check ran"

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import subprocess
+import sys
 
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
 from megatron.training.logging_utils import format_tflops, training_log_line, validation_log_lines
-from megatron.training.mcore_cpu_compat import MCORE_VERSION
-from megatron.training.mcore_model import SETUP_COPY
 from megatron.training.model_setup import ddp_config_from_args
+from tests import ROOT
+from tests.unit.test_without_megatron_core import blocked_env
 
 BASE = ["--mock-data", "--vocab-size", "64"]
 
@@ -44,8 +44,6 @@ def test_derived_values():
     (["--use-megatron-fsdp", "--fsdp-double-buffer"], "--fsdp-double-buffer is not supported by megatron_fsdp"),
     (["--seq-length", "80", "--max-position-embeddings", "64"], "--seq-length (80) must be <= "),
     (["--fp16"], "use --bf16"),
-    (["--use-megatron-fsdp", "--model-provider", "mcore", "--distributed-backend", "gloo"],
-     "--model-provider mcore cannot build megatron-core's GPTModel here"),
     (["--use-distributed-optimizer"], "add --use-megatron-fsdp --data-parallel-sharding-strategy optim"),
 ])
 def test_rejections(flags, message):
@@ -112,21 +110,34 @@ def test_nan_check_on_by_default_and_timeout_flag():
 
 
 def test_model_provider_without_megatron_core():
-    """auto builds the project's own GPT where megatron-core is absent and says why; mcore stops, naming it.
+    """auto builds the project's own GPT where megatron-core cannot be imported and says why, with how to get it;
+    mcore stops, naming it. Run in a subprocess whose megatron.core import is blocked (tests/no_megatron_core/):
+    megatron-core is installed here. (With megatron-core: tests/distributed/mcore/mcore_model_checks.py.)"""
+    script = (
+        "import pytest\n"
+        "from megatron.training.arguments import ArgumentError\n"
+        "from tests.unit.frontend.test_frontend_arguments import args_for\n"
+        "from megatron.training.mcore_cpu_compat import MCORE_VERSION\n"
+        "args = args_for()\n"
+        "assert args.model_provider == 'gpt', args.model_provider\n"
+        "assert 'megatron-core is not installed' in args.model_provider_reason, args.model_provider_reason\n"
+        "assert f'pip install megatron-core=={MCORE_VERSION}' in args.model_provider_reason\n"
+        "assert 'PYTHONPATH' not in args.model_provider_reason, args.model_provider_reason\n"
+        "assert args_for('--model-provider', 'gpt').model_provider_reason == '--model-provider gpt'\n"
+        "with pytest.raises(ArgumentError, match='--model-provider mcore cannot build .*megatron-core is not "
+        "installed'):\n"
+        "    args_for('--model-provider', 'mcore')\n"
+        "print('OK')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=blocked_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout[-2000:] + out.stderr[-3000:]
 
-    (With megatron-core: tests/distributed/mcore/mcore_model_checks.py.)"""
-    if importlib.util.find_spec("megatron.core") is not None:
-        pytest.skip("megatron-core is importable here")
+
+def test_model_provider_with_megatron_core_installed():
+    """megatron-core is a dependency installed with the front-end: auto builds its GPTModel for plain DP."""
     args = args_for()
-    assert args.model_provider == "gpt", args.model_provider
-    assert "megatron-core is not installed" in args.model_provider_reason, args.model_provider_reason
-    # ... and how to get it: the pinned version, and .ci/setup.sh's copy where it exists
-    assert f"pip install megatron-core=={MCORE_VERSION}" in args.model_provider_reason, args.model_provider_reason
-    if os.path.isdir(os.path.join(SETUP_COPY, "megatron", "core")):
-        assert "PYTHONPATH=" in args.model_provider_reason and "extras" in args.model_provider_reason
-    assert args_for("--model-provider", "gpt").model_provider_reason == "--model-provider gpt"
-    with pytest.raises(ArgumentError, match="--model-provider mcore cannot build .*megatron-core is not installed"):
-        args_for("--model-provider", "mcore")
+    assert args.model_provider == "mcore", args.model_provider_reason
 
 
 def test_needs_data():

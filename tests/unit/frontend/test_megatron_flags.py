@@ -132,7 +132,9 @@ def _validated(argv: list[str], world: int = 2):
     (["--use-megatron-fsdp", "--bf16", "--megatron-fsdp-grad-comm-dtype", "bf16"],
      "differs from the main-gradient dtype (fp32)"),
     (["--megatron-fsdp-main-grads-dtype", "fp32"], "require --use-megatron-fsdp"),
-    (["--multi-latent-attention"], "--multi-latent-attention: only megatron-core's GPTModel implements it"),
+    # the project's own GPT named: megatron-core, installed, is what --model-provider auto builds here
+    (["--multi-latent-attention", "--model-provider", "gpt"],
+     "--multi-latent-attention: only megatron-core's GPTModel implements it"),
     (["--num-experts", "2", "--moe-layer-freq", "[1,0,1]"], "--moe-layer-freq lists 3 layers"),
 ])
 def test_flags_that_cannot_act_stop_naming_the_flag(argv, message):
@@ -175,7 +177,7 @@ def _te_installed() -> bool:
 
 def test_deepseek_proxy_on_our_gpt_stops_naming_each_megatron_core_flag():
     argv = cpu_scaled("deepseek_proxy_fsdp_ep2_fsdp2", "/tmp/unused", drop_mcore_only=False)
-    args = parse_args(argv)
+    args = parse_args([*argv, "--model-provider", "gpt"])  # our GPT named: auto builds megatron-core's here
     needed = require_mcore_model_for(args)
     for flag in ("--multi-latent-attention", "--moe-shared-expert-intermediate-size", "--moe-router-pre-softmax",
                  "--moe-router-group-topk", "--moe-router-num-groups", "--moe-router-topk-scaling-factor",
