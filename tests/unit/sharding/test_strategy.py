@@ -25,10 +25,16 @@ def test_fully_shard_needs_torch_distributed():
 
 
 def test_package_imports_with_torch_alone():
+    """Importing the library loads neither megatron-core nor TransformerEngine (a fresh interpreter: other
+    tests of this process import megatron-core; tests/unit/test_without_megatron_core.py blocks it)."""
+    import subprocess
     import sys
 
-    assert "megatron.core" not in sys.modules and "transformer_engine" not in sys.modules
-    assert megatron_fsdp.fully_shard.__doc__ and torch.__version__
+    code = ("import sys, megatron_fsdp; assert megatron_fsdp.fully_shard.__doc__; "
+            "print(sorted(m for m in sys.modules if m.startswith(('megatron.core', 'transformer_engine'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+    assert torch.__version__
 
 
 def test_fully_shard_runs_against_the_fake_process_group():
