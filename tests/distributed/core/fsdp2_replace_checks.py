@@ -476,10 +476,11 @@ def _train_and_drop_one() -> None:
 @check(SUITE, world_sizes=(2,))
 def twenty_models_built_and_dropped_leave_memory_flat() -> None:
     """Build, train and drop 20 models in one process: the step guard watches no more units than before,
-    and resident memory after the 20th is within 8 MB of that after the 5th. Bound stated before
-    measuring: each model holds 4.2 MB of weights, and with gradients and AdamW's two moments about
-    17 MB per process at 2 ranks' shards (8.4 MB) plus gathered buffers, so 15 kept models would add over
-    100 MB; 8 MB is the allocator's slack for freed blocks it keeps."""
+    and resident memory grows by less than 50 MB from the 5th to the 20th model. The bound: each model
+    holds 4.2 MB of weights, and at 2 ranks a rank keeps at least 8.4 MB of it (shards, gradients,
+    AdamW's two moments), so 15 kept models would add at least 126 MB; the allocator's drift over such
+    a loop was 16-24 MB for ours and 23 MB over 30 models for FSDP2 (measured 2026-11-28 on 2 gloo
+    ranks, standalone), growing more slowly as it goes, not per model."""
     gc.collect()
     watched = len(step_guard._UNITS)
     after = {}
@@ -490,4 +491,4 @@ def twenty_models_built_and_dropped_leave_memory_flat() -> None:
     assert len(step_guard._UNITS) == watched, f"{len(step_guard._UNITS) - watched} units of dropped models watched"
     if after[5] is not None:
         growth = (after[20] - after[5]) / 1e6
-        assert growth < 8.0, f"resident memory grew {growth:.1f} MB from the 5th to the 20th model"
+        assert growth < 50.0, f"resident memory grew {growth:.1f} MB from the 5th to the 20th model"
