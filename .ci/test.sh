@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test commands (README.md gives them at the top):
 #   bash .ci/test.sh                  lint, then the whole suite (unit, distributed on gloo, functional): what CI
-#                                     runs (.ci/run); about 24 minutes on 2 idle cores
+#                                     runs (.ci/run); about 28 minutes on 2 cores
 #   bash .ci/test.sh quick            lint, the unit tests, the docs' examples and claims, one distributed suite (2, 4
 #                                     ranks): a few minutes, for the edit-test loop
 #   bash .ci/test.sh [quick] ARGS...  the same with more pytest arguments (-x, -k NAME)
