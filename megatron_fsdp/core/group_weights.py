@@ -234,8 +234,6 @@ class WeightPath:
             self.follow_requires_grad()
         for i in range(len(self.refs)) if check else ():
             self._check_not_replaced(i)  # may take a replacement over: sharded_params[i] is then the new one
-        if params is not self.sharded_params and params is not self.unsharded_params:
-            raise AssertionError("_install: params must be the group's sharded or unsharded parameters")
         for ref, param in zip(self.refs, params):
             for module, name in ref.uses:
                 module._parameters[name] = param

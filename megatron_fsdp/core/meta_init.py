@@ -58,7 +58,7 @@ def _take_users_writes(groups: list[ParamGroup]) -> None:
         all_reduce_max(flags, groups[0].dp.outer_group, comm=groups[0].comm)
     for (group, index), flag in zip(slots, flags.tolist()):
         if flag:
-            group.took_values([index])
+            group.pending_init.discard(index)
 
 
 META_BUFFERS = "_megatron_fsdp_meta_buffers"  # module attribute: buffer names awaiting init
@@ -129,7 +129,7 @@ def materialize_meta(root: nn.Module, init_fn: Callable[[nn.Module], None] | Non
     if uninitialised:
         raise ValueError(f"meta-device parameters {sorted(uninitialised.values())} were never initialised")
     for group in groups:
-        group.took_values(range(len(group.refs)))
+        group.pending_init.clear()
         group.mark_compute_stale()
 
 

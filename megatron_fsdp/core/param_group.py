@@ -35,7 +35,7 @@ the end of the backward run within a sub-group of N ranks from that piece.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -269,10 +269,6 @@ class ParamGroup(WeightPath, GradientPath):
         self._owner_ids.append(key)
         _OWNERS[key] = (self._self_ref, index)
 
-    def took_values(self, indices: Iterable[int]) -> None:
-        """Parameters ``indices`` received their values (a load, ``to_empty``, materialize, the user's writes)."""
-        self.pending_init.difference_update(indices)
-
     def written_pending(self) -> list[int]:
         """Indices still waiting for values that were written in place behind the engine's back.
 
@@ -309,7 +305,7 @@ class ParamGroup(WeightPath, GradientPath):
             )
         with torch.no_grad():
             view.copy_(new_local)
-        self.took_values([index])  # initialised by the caller (e.g. reset_parameters after to_empty)
+        self.pending_init.discard(index)  # initialised by the caller (e.g. reset_parameters after to_empty)
         self.mark_compute_stale()
         return self.params[index].as_dtensor(self.params[index].wrap_local(view))
 
@@ -372,8 +368,8 @@ class ParamGroup(WeightPath, GradientPath):
     def check_unchanged(self) -> None:
         """Take over parameters the user replaced after wrapping, or fail loudly; follow ``requires_grad``."""
         self.follow_requires_grad()
-        for i, (ref, sharded) in enumerate(zip(self.refs, self.sharded_params)):
-            self._check_not_replaced(i)
+        for i, ref in enumerate(self.refs):
+            self._check_not_replaced(i)  # may take a replacement over: read the parameter after it
             sharded = self.sharded_params[i]
             if sharded.shape != ref.param.shape or sharded.to_local().shape != self.params[i].shard_view().shape:
                 raise RuntimeError(
@@ -454,26 +450,20 @@ class ParamGroup(WeightPath, GradientPath):
                 f"{tuple(param.shape)} after fully_shard (torch.utils.swap_tensors); its values must keep "
                 f"shape {tuple(self.refs[index].param.shape)} and dtype {self.dtype}"
             )
-        value = self.params[index].loadable(param.detach(), self.refs[index].fqn, self.dtype)
-        with torch.no_grad():
-            self.params[index].shard_view().copy_(value.to_local())
+        self._write_into_shard(index, param)
         fresh = self.params[index].make_sharded(param)
         requires_grad = param.requires_grad
         attributes = self._attributes[index]
         torch.utils.swap_tensors(param, fresh)
         param.__dict__ = attributes  # ours, with what was set on the parameter since fully_shard
         param.requires_grad_(requires_grad)
-        self.pending_init.discard(index)
-        self.mark_compute_stale()
 
     def _take_replacement(self, index: int, new: torch.Tensor) -> None:
         """``new`` becomes parameter ``index``: its values go into our shard, its object becomes ours."""
         old = self.sharded_params[index]
-        value = self.params[index].loadable(new.detach(), self.refs[index].fqn, self.dtype)
         requires_grad = new.requires_grad
         users_attributes = dict(getattr(new, "__dict__", {}))
-        with torch.no_grad():
-            self.params[index].shard_view().copy_(value.to_local())
+        self._write_into_shard(index, new)
         torch.utils.swap_tensors(new, old)  # ``new`` is now a DTensor over our shard; ``old`` holds its tensor
         new.requires_grad_(requires_grad)
         for key, attribute in users_attributes.items():
@@ -485,9 +475,15 @@ class ParamGroup(WeightPath, GradientPath):
         self.sharded_params[index] = new
         self._attributes[index] = new.__dict__
         self._register_owner(index)
+        self.follow_requires_grad()
+
+    def _write_into_shard(self, index: int, value: torch.Tensor) -> None:
+        """``value`` (shaped like parameter ``index``, in any layout) becomes its rows of our shard."""
+        local = self.params[index].loadable(value.detach(), self.refs[index].fqn, self.dtype).to_local()
+        with torch.no_grad():
+            self.params[index].shard_view().copy_(local)
         self.pending_init.discard(index)
         self.mark_compute_stale()
-        self.follow_requires_grad()
 
     def use(self, comm: CommConfig, pool: BufferPool, spares: GradSpares) -> None:
         """Run with the root's collectives config, buffer pool and gradient spares (an enclosing ``fully_shard``)."""
