@@ -140,7 +140,7 @@ def _place(shapes: list[tuple[int, ...]], shard_numel: int, world_size: int, ali
             continue
         cursor = _round_up(cursor, align)
         boundary = (cursor // shard_numel + 1) * shard_numel
-        if cursor + numel > boundary:
+        if cursor + numel > boundary and w > 1:  # one-element rows: every boundary falls between two
             # Crosses a boundary: shift so that the boundary falls between rows. Both the
             # cursor and the boundary are multiples of align, so a shift by a multiple of
             # lcm(w, align) keeps the start aligned and the boundary between rows.
@@ -182,6 +182,15 @@ def build_flat_layout(shapes: list[tuple[int, ...]], world_size: int, align: int
         slots = tuple(ParamSlot(s, o) for s, o in zip(shapes, offsets))
         return FlatLayout(slots, world_size, max(cursor, 0) if world_size == 1 else 0)
     lower = -(-total // world_size)
+    if lower < align and all(ParamSlot(sh, 0).row_numel == 1 for sh in shapes):
+        # Each rank's part of a buffer of biases and norms would be under 16 bytes: rounding it up to 16
+        # would store up to 4x (a bias over 1,024 ranks: 4 elements per rank where FSDP2 stores 1), and a
+        # part that small gains nothing from an aligned start. Parameters still start aligned, and with rows
+        # of one element any shard boundary falls between rows.
+        shard = lower
+        while (offsets := _place(shapes, shard, world_size, align)) is None:
+            shard += 1  # the parameters' aligned starts leave gaps: a little more per rank
+        return _layout(shapes, offsets, world_size, shard)
     # Parameters larger than a shard may span several boundaries; their row
     # sizes must then divide the shard size.
     step = align
@@ -194,16 +203,28 @@ def build_flat_layout(shapes: list[tuple[int, ...]], world_size: int, align: int
     while True:
         offsets = _place(shapes, shard, world_size, align)
         if offsets is not None:
-            slots = tuple(ParamSlot(s, o) for s, o in zip(shapes, offsets))
-            return FlatLayout(slots, world_size, shard)
+            return _layout(shapes, offsets, world_size, shard)
         shard += step
 
 
-# A unit is split into several flat buffers (one collective each) only when that
-# saves at least this many padding elements and 1% of the unit: below that, the
-# latency of an extra collective costs more than the bytes it saves.
+def _layout(shapes: list[tuple[int, ...]], offsets: list[int], world_size: int, shard: int) -> FlatLayout:
+    return FlatLayout(tuple(ParamSlot(s, o) for s, o in zip(shapes, offsets)), world_size, shard)
+
+
+# A unit is split into several flat buffers (one collective each) when that saves at least
+# this many padding elements and 1% of the unit: below that, the latency of an extra
+# collective costs more than the bytes it saves. It is also split whenever the fewer
+# buffers would pad more than FSDP2's per-parameter ``Shard(0)`` layout of the same shapes
+# by more than ``FSDP2_PADDING_SLACK_NUMEL``: storage at or below FSDP2's is a promise
+# (docs/scale.md), and only an excess below 16 KiB (fp32) per unit is left to latency.
 SPLIT_MIN_SAVING_NUMEL = 1 << 16
 SPLIT_MIN_SAVING_FRACTION = 0.01
+FSDP2_PADDING_SLACK_NUMEL = 1 << 12
+
+
+def fsdp2_padding_numel(shapes: list[tuple[int, ...]], world_size: int) -> int:
+    """The padding FSDP2 stores for these shapes: each parameter's dim 0 rounded up to ``world_size`` rows."""
+    return sum((-(-s[0] // world_size) * world_size - s[0]) * math.prod(s[1:]) for s in shapes if len(s))
 
 
 def _padding(shapes: list[tuple[int, ...]], parts: list[list[int]], world_size: int, align: int) -> int:
@@ -218,14 +239,17 @@ def partition_for_padding(shapes: list[tuple[int, ...]], world_size: int, align:
     parameters have different row sizes (a Llama layer: 4096 and 14336) pads
     each shard up to a multiple of their lcm (7.7% at 1,024 ranks for 8B).
     Parameters of one row size share a buffer with no such loss: their rows
-    pool, and each shard holds ``ceil(rows / world_size)`` of them. So large
-    parameters (more elements than one shard of the single buffer) are grouped
-    by row size, in registration order; the small ones (norms, biases) either
-    get their own buffer or join the group where they add least padding.
+    pool, and each shard holds ``ceil(rows / world_size)`` of them. So the candidates
+    group the large parameters (more elements than one shard of the single buffer),
+    or every parameter of two or more dimensions, by row size, in registration order;
+    the rest (norms, biases) either get their own buffer or join one group. They are
+    tried fewest buffers first, then least padding.
 
-    The split is taken only when it saves ``SPLIT_MIN_SAVING_NUMEL`` elements and
-    ``SPLIT_MIN_SAVING_FRACTION`` of the unit over the option with fewer buffers,
-    so small models (and every unit with nothing to gain) keep one buffer.
+    The split is taken when it saves ``SPLIT_MIN_SAVING_NUMEL`` elements and
+    ``SPLIT_MIN_SAVING_FRACTION`` of the unit over the option with fewer buffers, or
+    when that option pads more than FSDP2 would (``fsdp2_padding_numel``) by over
+    ``FSDP2_PADDING_SLACK_NUMEL`` elements; so small models (and every unit with
+    nothing to gain) keep one buffer, and no unit stores measurably more than FSDP2.
     Deterministic in ``shapes`` and ``world_size``: every rank splits alike.
     """
     everything = [list(range(len(shapes)))]
@@ -233,27 +257,33 @@ def partition_for_padding(shapes: list[tuple[int, ...]], world_size: int, align:
     if world_size == 1 or total == 0 or len(shapes) < 2:
         return everything
     lower = -(-total // world_size)
-    by_row: dict[int, list[int]] = {}
-    small: list[int] = []
-    for i, s in enumerate(shapes):
-        if math.prod(s) > lower and len(s) > 1:
-            by_row.setdefault(math.prod(s[1:]), []).append(i)
-        else:
-            small.append(i)
-    classes = list(by_row.values())
-    candidates = [everything]  # fewest buffers first
-    if classes:
+    candidates = [everything]
+    # Two groupings by row size: of the large parameters only (more elements than one shard,
+    # the ones whose row size constrains the shard), and of every parameter of two or more
+    # dimensions (a small one of a class's row size, like k_proj beside q_proj, pools with it).
+    for is_grouped in (lambda s: math.prod(s) > lower and len(s) > 1, lambda s: len(s) > 1):
+        by_row: dict[int, list[int]] = {}
+        small: list[int] = []
+        for i, s in enumerate(shapes):
+            if is_grouped(s):
+                by_row.setdefault(math.prod(s[1:]), []).append(i)
+            else:
+                small.append(i)
+        classes = list(by_row.values())
+        if not classes:
+            continue
         for c in range(len(classes)):  # the small parameters join one class
             candidates.append([part + small if j == c else part for j, part in enumerate(classes)])
         if small:
             candidates.append(classes + [small])
+    scored = sorted(((len(parts), _padding(shapes, parts, world_size, align), n), parts)
+                    for n, parts in enumerate(candidates))  # fewest buffers first, then least padding
+    fsdp2_bound = fsdp2_padding_numel(shapes, world_size) + FSDP2_PADDING_SLACK_NUMEL
     best, best_padding = everything, _padding(shapes, everything, world_size, align)
-    for parts in candidates[1:]:
-        padding = _padding(shapes, parts, world_size, align)
+    for (buffers, padding, _), parts in scored:
         saving = best_padding - padding
-        more = len(parts) > len(best)
-        if saving > 0 and (
-            not more or (saving >= SPLIT_MIN_SAVING_NUMEL and saving >= SPLIT_MIN_SAVING_FRACTION * total)
-        ):
+        more = buffers > len(best)
+        worth_a_collective = saving >= SPLIT_MIN_SAVING_NUMEL and saving >= SPLIT_MIN_SAVING_FRACTION * total
+        if saving > 0 and (not more or worth_a_collective or best_padding > fsdp2_bound):
             best, best_padding = parts, padding
     return best

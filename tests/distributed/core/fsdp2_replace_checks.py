@@ -183,6 +183,14 @@ def tutorial_assign_load_trains_fsdp2s_numbers(built: str, values: str) -> None:
     _assert_losses(losses, fsdp2_losses, f"losses {losses} vs FSDP2's {fsdp2_losses}")
     _assert_weights(weights, fsdp2_weights, "ours vs FSDP2", fsdp2_tolerance())
     _assert_weights(weights, _one_process(full), "ours vs one process", ONE_PROCESS)
+    if built == "meta":
+        # At every world size, bitwise what the same load into an eagerly built model trains: what is left
+        # against FSDP2 at 4 ranks is the reduction's summation order, which follows the buffer layout.
+        eager = _build("ours", meta=False)
+        _tutorial_load(eager, full, values)
+        eager_losses = _train(eager)
+        assert losses == eager_losses, f"losses {losses} vs the eager build's {eager_losses}"
+        _assert_weights(weights, _shown(eager), "meta-built vs eager-built", EXACT)
 
 
 @check(SUITE, params={"how": ["load_state_dict", "copy_", "dcp_load"]})

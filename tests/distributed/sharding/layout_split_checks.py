@@ -84,7 +84,7 @@ def split_unit_trains_like_ddp() -> None:
 
 @check(SUITE)
 def checkpoint_between_split_and_single_buffer_layouts() -> None:
-    """Save the split unit, load it into per-Linear units (one buffer each) and back: same values."""
+    """Save the split unit, load it into per-Linear units and back: same values."""
     rank, n = world()
     torch.manual_seed(0)
     split = fully_shard(make_model())
@@ -98,7 +98,9 @@ def checkpoint_between_split_and_single_buffer_layouts() -> None:
     fully_shard(per_layer[0], sharding_strategy="optim_grads")
     fully_shard(per_layer[2], sharding_strategy="optim_grads")
     fully_shard(per_layer, sharding_strategy="optim_grads")
-    assert all(len(u.groups) <= 1 for u in units_of(per_layer))
+    # Other units, other buffers: each Linear in its own unit (Linear(3000, 64) itself split in two at 2 ranks,
+    # where one buffer would pad 5,936 elements against FSDP2's 0).
+    assert len(units_of(per_layer)) == 3
     opt_per_layer = torch.optim.AdamW(per_layer.parameters(), lr=1e-3)
     with shared_tmpdir("split_ckpt_") as root:
         first, second = os.path.join(root, "split"), os.path.join(root, "per_layer")

@@ -80,8 +80,10 @@ def test_unpadded_model_holds_exactly_its_zero_share(strategy):
 
 @pytest.mark.parametrize("rank", [0, 255])
 def test_padded_model_matches_the_plan_exactly(rank):
-    # Linear(256, 256) with bias: 65,792 elements per unit over 256 ranks needs whole 256-element
-    # rows per shard, so each shard is 512 elements (a 99% overhead; docs/scale.md explains).
+    # Linear(256, 256) with bias over 256 ranks: in one buffer, whole 256-element rows per shard would make
+    # each shard 512 elements (a 99% overhead, where FSDP2 pads nothing), so the unit is split in two
+    # (layout.partition_for_padding): the weight one row per rank, the bias 4 elements (16 bytes, the
+    # alignment) on each of the first 64 ranks.
     layers = 2
     config = MLPConfig("ci", hidden=HIDDEN, layers=layers)
     plan = plan_rank(config.units(), WORLD, "optim_grads_params", rank=rank)
@@ -95,9 +97,9 @@ def test_padded_model_matches_the_plan_exactly(rank):
         stats.reset()
         model(torch.ones(2, HIDDEN)).sum().backward()
         assert {k: v for k, v in stats.bytes.items() if k != "control"} == plan.step_bytes()
-    # Rank 0 holds full shards, the last rank what is left after the padding.
-    assert plan.local_param_numel == (layers * unit.shard_numel if rank == 0 else 0)
-    assert unit.total_numel == WORLD * 512 and unit.padding_numel == WORLD * 512 - (HIDDEN + 1) * HIDDEN
+    assert len(unit.layouts) == 2
+    assert plan.local_param_numel == layers * (HIDDEN + 1)
+    assert unit.total_numel == WORLD * (HIDDEN + 1) and unit.padding_numel == 0
 
 
 @pytest.mark.parametrize("outer_optim", [False, True])
@@ -149,8 +151,8 @@ def test_bf16_compute_matches_the_plan():
 
 def test_split_unit_holds_exactly_its_zero_share():
     # Linear(512, 512) with bias at 256 ranks: one buffer would pad each shard to 3 rows of 512
-    # (50%); weight and bias in two buffers hold 2 rows and 2 elements per rank, padded only to
-    # 16 bytes: the bias buffer's shards start aligned (4 fp32 elements, 8 bytes of padding per rank).
+    # (50%); weight and bias in two buffers hold 2 rows and 2 elements per rank, exactly the share
+    # (a bias buffer's parts under 16 bytes are not rounded up to it: layout.build_flat_layout).
     hidden, layers, rank = 512, 2, 200
     params = layers * (hidden * hidden + hidden)
     with fake_world(WORLD, rank):
@@ -158,10 +160,8 @@ def test_split_unit_holds_exactly_its_zero_share():
         model = nn.Sequential(*(nn.Linear(hidden, hidden) for _ in range(layers)))
         shard_all(model)
         assert sorted(len(u.groups) for u in units_of(model)) == [0, 2, 2]  # the root owns no parameter
-        padded = params // WORLD + layers * (4 - hidden // WORLD)  # per rank: the bias shard rounded up to 16 bytes
-        assert shard_numel(model) == padded
-        # 4 bias elements per rank fill the first 128 ranks' bias shards; rank 200 holds weight rows only
-        assert local_numel(model) == layers * hidden * hidden // WORLD
+        padded = params // WORLD
+        assert shard_numel(model) == local_numel(model) == padded
         stats = model.fsdp_comm_stats
         stats.reset()
         model(torch.ones(2, hidden)).sum().backward()
