@@ -28,8 +28,9 @@ Cost against Megatron's ring (TransformerEngine's ``p2p``, which overlaps each s
 exchange with the attention of the chunk already received): the all-gather moves the
 same ``(C - 1)/C`` of the sequence's K and V per layer but without overlap, holds the whole
 sequence's K and V on every rank, and computes scores for every query against all ``S``
-keys (the masked half included) instead of skipping fully masked chunk pairs. Any
-``--cp-comm-type`` computes this same attention here.
+keys (the masked half included) instead of skipping fully masked chunk pairs. megatron-core's
+``cp_comm_type`` (Megatron-LM's ``--cp-comm-type``, not a flag of this front-end) is recorded and
+does not change what is computed here.
 
 Imported only where megatron-core is installed (``mcore_model._layer_spec``).
 """
@@ -82,7 +83,7 @@ class ContextParallelDotProductAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
-        self.cp_comm_type = cp_comm_type  # recorded: every type computes this same attention here
+        self.cp_comm_type = cp_comm_type  # recorded: every type computes this same attention here (all-gather)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.pg_collection = pg_collection
