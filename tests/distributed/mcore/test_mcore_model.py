@@ -3,8 +3,8 @@
 gloo ranks.
 
 megatron-core is installed in the environment (``.ci/setup.sh``, pinned in the ``training`` extra);
-each world size runs its checks in one separate process, both suites in one spawned group at 2 ranks
-(a launch costs seconds; the adapter's suite runs only at 2 here). test_mcore_adapter.py runs the
+each world size runs its checks in one separate process, its suites in one spawned group (2 ranks: the model's
+and the adapter's; 4 ranks: the model's and context parallelism's; a launch costs seconds). test_mcore_adapter.py runs the
 adapter's suite where megatron-core cannot be imported (tests/no_megatron_core/).
 """
 
