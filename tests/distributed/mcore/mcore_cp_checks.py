@@ -32,7 +32,15 @@ MODEL = ["--mock-data", "--vocab-size", "120", "--make-vocab-size-divisible-by",
          "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-2", "--swiglu",
          "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights", "--use-megatron-fsdp",
          "--data-parallel-sharding-strategy", "optim_grads_params", "--eval-iters", "1"]
-COMMON = [*MODEL, "--attention-dropout", "0", "--hidden-dropout", "0", "--train-iters", "5", "--eval-interval", "5"]
+COMMON = [*MODEL, "--attention-dropout", "0", "--hidden-dropout", "0", "--train-iters", "5", "--eval-interval", "5",
+          "--ckpt-format", "fsdp_dtensor"]
+
+
+def _shared_dir() -> str:
+    """A fresh directory every rank sees (rank 0's, broadcast)."""
+    holder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder)
+    return holder[0]
 
 
 def _ranks(group) -> list[int]:
@@ -114,16 +122,24 @@ def _check_layout(tp: int, cp: int):
 def context_parallel_2_equals_data_parallel_4() -> None:
     """CP2 x DP2 trains megatron-core's GPTModel as DP4 does (RoPE and learned-absolute positions, GQA; multi-latent
     attention with its RoPE), and TP2 x CP2 (with and without sequence parallelism) as well: losses and grad
-    norms within 1e-5 relative."""
+    norms within 1e-5 relative. A CP2 x DP2 checkpoint resumes at DP4 on DP4's curve."""
+    root = _shared_dir()
     for positions in ("rope", "learned_absolute"):
         flags = [*COMMON, "--position-embedding-type", positions]
         data_parallel, log = _pretrain(flags)
         assert "building megatron-core GPTModel" in log or dist.get_rank() != 0, log[:2000]
-        context_parallel, log = _pretrain([*flags, "--context-parallel-size", "2"], _check_layout(1, 2))
+        saves = ["--save", os.path.join(root, positions), "--save-interval", "3"] if positions == "rope" else []
+        context_parallel, log = _pretrain([*flags, "--context-parallel-size", "2", *saves], _check_layout(1, 2))
         assert "building megatron-core GPTModel" in log or dist.get_rank() != 0, log[:2000]
         assert "data-parallel 2 x context-parallel 2 x tensor-parallel 1" in log or dist.get_rank() != 0, log[:2000]
         _assert_close_runs(f"CP2 x DP2 vs DP4, {positions}", context_parallel, data_parallel)
         if positions == "rope":
+            # the CP2 x DP2 checkpoint of iteration 3 resumed at DP4 continues DP4's curve (CP holds no state)
+            resumed, _ = _pretrain([*flags, "--load", os.path.join(root, positions, "iter_0000003")])
+            assert sorted(resumed.losses) == [4, 5], resumed.losses
+            for it in (4, 5):
+                torch.testing.assert_close(torch.tensor(resumed.losses[it]), torch.tensor(data_parallel.losses[it]),
+                                           rtol=1e-5, atol=0, msg=lambda m, i=it: f"CP2 x DP2 -> DP4 at {i}: {m}")
             mla = ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "8", "--qk-head-dim", "6",
                    "--qk-pos-emb-head-dim", "2", "--v-head-dim", "5", "--rotary-scaling-factor", "1.0", "--mscale",
                    "1.0", "--mscale-all-dim", "1.0", "--qk-layernorm"]
@@ -141,10 +157,7 @@ def context_parallel_2_equals_data_parallel_4() -> None:
 def context_parallel_with_dropout_trains_and_resumes() -> None:
     """CP2 x DP2 with Megatron's default dropout (attention dropout under megatron-core's RNG tracker): the loss
     falls, and an fsdp_dtensor checkpoint at iteration 3 resumes bitwise (the tracker's states travel with it)."""
-    root = tempfile.mkdtemp() if dist.get_rank() == 0 else None
-    holder = [root]
-    dist.broadcast_object_list(holder)
-    root = holder[0]
+    root = _shared_dir()
     flags = [*MODEL, "--train-iters", "6", "--context-parallel-size", "2", "--ckpt-format", "fsdp_dtensor",
              "--position-embedding-type", "rope"]
     full, _ = _pretrain(flags)

@@ -4,8 +4,8 @@ gloo ranks.
 
 megatron-core is installed in the environment (``.ci/setup.sh``, pinned in the ``training`` extra);
 each world size runs its checks in one separate process, its suites in one spawned group (2 ranks: the model's
-and the adapter's; 4 ranks: the model's and context parallelism's; a launch costs seconds). test_mcore_adapter.py runs the
-adapter's suite where megatron-core cannot be imported (tests/no_megatron_core/).
+and the adapter's; 4 ranks: the model's and context parallelism's; a launch costs seconds).
+test_mcore_adapter.py runs the adapter's suite where megatron-core cannot be imported (tests/no_megatron_core/).
 """
 
 from __future__ import annotations
