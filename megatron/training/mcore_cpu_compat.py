@@ -20,6 +20,8 @@ How each CUDA call is redirected:
   (CPU work is synchronous), through the same ``torch`` binding;
 - ``moe_utils.te_general_gemm``, bound only when TransformerEngine imports: ``None``;
 - ``multi_latent_attention.HAVE_TE``, True without TransformerEngine (a mock stands in): ``False``;
+- RoPE's per-CP-rank positions (``rope_utils.get_pos_emb_on_this_cp_rank``: pinned memory copied to CUDA): the
+  same chunks indexed on the host, bound where RoPE and yarn RoPE imported it;
 - the RNG tracker (``tensor_parallel/random.py``): its states become CPU generator
   states, so ``model_parallel_cuda_manual_seed`` seeds one per TP rank (seed + 2718
   + tp_rank) and ``get_cuda_rng_tracker().fork()`` switches the CPU generator to it
@@ -157,6 +159,18 @@ def _cpu_maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream:
     return tensor
 
 
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """``rope_utils.get_pos_emb_on_this_cp_rank`` on CPU: the same chunks (``r`` and ``2 C - 1 - r`` of ``2 C``), its
+    index built on the embedding's device (megatron-core pins it in host memory and copies it to CUDA)."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
 class _DropForkWarning(logging.Filter):
     """random.py's fork() warns when the CPU generator moved inside it: on CPU that is the tracked state moving."""
 
@@ -265,6 +279,12 @@ PATCHES: tuple[Patch, ...] = (
       for cls, lines in (("LinearWithFrozenWeight", (335, 347)),
                          ("LinearWithGradAccumulationAndAsyncCommunication", (447, 494)))
       for method, kind, line in zip(("forward", "backward"), ("fwd", "bwd"), lines)),
+    # Context parallelism: RoPE (and MLA's yarn RoPE) keep this CP rank's positions through
+    # rope_utils.get_pos_emb_on_this_cp_rank, whose chunk index is pinned host memory copied to CUDA; both modules
+    # imported it by name, and their copies are the ones called.
+    *(Patch(f"megatron.core.models.common.embeddings.{module}", "get_pos_emb_on_this_cp_rank",
+            "models/common/embeddings/rope_utils.py", (64,), ".cuda(non_blocking=True)", _cpu_pos_emb_on_this_cp_rank)
+      for module in ("rotary_pos_embedding", "yarn_rotary_pos_embedding")),
 )
 
 # Not a replacement: a log filter on the fork() warning at this line (see _DropForkWarning).

@@ -10,7 +10,8 @@ The flags become a ``TransformerConfig`` as in Megatron-LM's
 ``core_transformer_config_from_args`` (every config field that has a flag of the same
 name, then its explicit overrides), and the layer spec is Megatron's choice by
 ``--transformer-impl`` (``local``: megatron-core's own modules, with ``mcore_mla.py``'s core
-attention for multi-latent attention; ``transformer_engine``).
+attention for multi-latent attention and ``mcore_cp_attention.py``'s under context parallelism;
+``transformer_engine``).
 Flags this front-end does not define yet are read with Megatron's defaults.
 
 Imported by the front-end without megatron-core; megatron-core is imported lazily.
@@ -82,9 +83,6 @@ def mcore_blockers(args: argparse.Namespace) -> list[str]:
     if _arg(args, "transformer_impl", "local") == "transformer_engine" and not _have_transformer_engine():
         blockers.append("--transformer-impl transformer_engine needs TransformerEngine, which is not installed "
                         "(pass --transformer-impl local for megatron-core's own layers)")
-    if args.context_parallel_size > 1:
-        blockers.append("--context-parallel-size > 1: megatron-core's context parallelism is not wired into this "
-                        "front-end (it needs TransformerEngine's attention)")
     if args.num_experts:
         # megatron-core 0.16.1's experts fuse the bias-activation with the router's per-token probabilities only
         # for SwiGLU without bias: anything else raises at the first forward (on GPUs too).
@@ -181,9 +179,14 @@ def transformer_config_from_args(args: argparse.Namespace):
 
 
 def _layer_spec(args: argparse.Namespace, config):
-    """Megatron-LM's layer-spec choice, and under sequence parallelism without Apex the block spec with
-    ``mcore_norm``'s torch norms that take it (megatron-core's torch-norm fallback refuses it)."""
+    """Megatron-LM's layer-spec choice; under sequence parallelism without Apex the block spec with
+    ``mcore_norm``'s torch norms that take it (megatron-core's torch-norm fallback refuses it); with context
+    parallelism on the local spec, ``mcore_cp_attention``'s core attention (megatron-core's local one refuses CP)."""
     spec = _megatron_layer_spec(args, config)
+    if config.context_parallel_size > 1 and config.transformer_impl == "local":
+        from .mcore_cp_attention import with_context_parallel_core_attention
+
+        spec = with_context_parallel_core_attention(spec)
     if (config.sequence_parallel and config.transformer_impl == "local"
             and importlib.util.find_spec("apex") is None):
         from .mcore_norm import with_sequence_parallel_norms
@@ -238,16 +241,20 @@ def initialize_mcore_parallel(args: argparse.Namespace, seed: int) -> None:
     if cuda_absent():
         apply_cpu_compat()
     tp, ep = args.tensor_model_parallel_size, getattr(args, "expert_model_parallel_size", 1)
-    etp = _expert_tensor_parallel_size(args)
+    etp, cp = _expert_tensor_parallel_size(args), args.context_parallel_size
     if parallel_state.model_parallel_is_initialized() and (
             parallel_state.get_tensor_model_parallel_world_size() != tp
+            or parallel_state.get_context_parallel_world_size() != cp
             or parallel_state.get_expert_model_parallel_world_size() != ep
             or parallel_state.get_expert_tensor_parallel_world_size() != etp):
         parallel_state.destroy_model_parallel()  # another job of this process laid out other groups
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
-            expert_tensor_parallel_size=etp,  # expert TP fastest, then EP (the front-end's expert mesh agrees)
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=cp,
+            expert_model_parallel_size=ep,
+            # TP fastest, then CP, then DP (megatron-core's default order "tp-cp-ep-dp-pp": the front-end's mesh
+            # agrees); expert TP fastest, then EP (the front-end's expert mesh agrees)
+            expert_tensor_parallel_size=etp,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 

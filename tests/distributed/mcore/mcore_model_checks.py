@@ -473,8 +473,8 @@ def model_choice_names_the_cause() -> None:
 
     auto = args_for()
     assert auto.model_provider == "mcore" and "megatron-core 0.16.1 is installed" in auto.model_provider_reason
-    for flags, cause in ((["--context-parallel-size", "2"], "--context-parallel-size > 1"),
-                         (["--num-experts", "2"], "--num-experts"),
+    assert args_for("--context-parallel-size", "2").model_provider == "mcore", "CP: mcore_cp_attention.py"
+    for flags, cause in ((["--num-experts", "2"], "--num-experts"),
                          (["--use-megatron-fsdp", "--init-model-with-meta-device"], "--init-model-with-meta-device")):
         fallback = args_for(*flags)
         assert fallback.model_provider == "gpt" and cause in fallback.model_provider_reason, vars(fallback)

@@ -1,10 +1,11 @@
-"""megatron-core's own GPTModel under our engine (mcore_model_checks.py), and the Megatron adapter
-(mcore_adapter_checks.py) with megatron-core's own config objects, at 2 and 4 gloo ranks.
+"""megatron-core's own GPTModel under our engine (mcore_model_checks.py), its context parallelism (mcore_cp_checks.py,
+4 ranks), and the Megatron adapter (mcore_adapter_checks.py) with megatron-core's own config objects, at 2 and 4
+gloo ranks.
 
 megatron-core is installed in the environment (``.ci/setup.sh``, pinned in the ``training`` extra);
-each world size runs its checks in one separate process, both suites in one spawned group at 2 ranks
-(a launch costs seconds; the adapter's suite runs only at 2 here). test_mcore_adapter.py runs the
-adapter's suite where megatron-core cannot be imported (tests/no_megatron_core/).
+each world size runs its checks in one separate process, its suites in one spawned group (2 ranks: the model's
+and the adapter's; 4 ranks: the model's and context parallelism's; a launch costs seconds).
+test_mcore_adapter.py runs the adapter's suite where megatron-core cannot be imported (tests/no_megatron_core/).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from tests import ROOT
 
 # checks modules (named: imported by the child process only) -> their suite names
 MODEL, ADAPTER = "tests.distributed.mcore.mcore_model_checks", "tests.distributed.mcore.mcore_adapter_checks"
-SUITE_OF = {MODEL: "mcore_model", ADAPTER: "mcore_adapter"}
+CP = "tests.distributed.mcore.mcore_cp_checks"
+SUITE_OF = {MODEL: "mcore_model", ADAPTER: "mcore_adapter", CP: "mcore_cp"}
 # the suites each world size runs with megatron-core importable, in one spawned group
-SUITES = {2: (MODEL, ADAPTER), 4: (MODEL,)}
+SUITES = {2: (MODEL, ADAPTER), 4: (MODEL, CP)}
 # Shared by the two groups: the 2-rank one leaves a TP2 x DP1 checkpoint there that the 4-rank one resumes at
 # TP2 x DP2 (mcore_model_checks.HANDOFF_ENV), so the 4-rank group starts after the 2-rank one.
 HANDOFF_ENV = "MEGATRON_FSDP_MCORE_HANDOFF"
@@ -68,6 +70,15 @@ def test_megatron_core_gpt_model_under_our_engine(world_size):
     assert results, "no check ran"
     failures = {name: errors for name, errors in results.items() if errors}
     assert not failures, "\n\n".join(f"{name}:\n" + "\n".join(errors) for name, errors in failures.items())
+
+
+def test_megatron_core_context_parallel():
+    """mcore_cp_checks.py: CP2 x DP2 and TP2 x CP2 against DP4, and a CP run with dropout that resumes (4 ranks)."""
+    suites, stderr = run_with_megatron_core(4)
+    results = suites[SUITE_OF[CP]]
+    assert results, "no check ran"
+    failures = {name: errors for name, errors in results.items() if errors}
+    assert not failures, "\n".join(e for errors in failures.values() for e in errors) + "\n" + stderr[-6000:]
 
 
 def test_mcore_adapter_with_megatron_core():

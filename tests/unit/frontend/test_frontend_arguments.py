@@ -135,9 +135,13 @@ def test_model_provider_without_megatron_core():
 
 
 def test_model_provider_with_megatron_core_installed():
-    """megatron-core is a dependency installed with the front-end: auto builds its GPTModel for plain DP."""
+    """megatron-core is a dependency installed with the front-end: auto builds its GPTModel for plain DP, and under
+    context parallelism (the front-end's CP core attention, mcore_cp_attention.py)."""
     args = args_for()
     assert args.model_provider == "mcore", args.model_provider_reason
+    cp = args_for("--context-parallel-size", "2", world_size=4)
+    assert cp.model_provider == "mcore", cp.model_provider_reason
+    assert args_for("--context-parallel-size", "2", "--model-provider", "mcore", world_size=4).model_provider == "mcore"
 
 
 def test_needs_data():
