@@ -314,7 +314,8 @@ def fully_shard(
 
     Raises:
         ValueError: an ``FsdpModule`` (or a module the engine's ``fully_shard`` already sharded); a
-            child ``FsdpModule`` of another context; a parameter another ``FsdpModule`` owns;
+            child ``FsdpModule`` of another context, or a child the engine's other entry points sharded;
+            a parameter another ``FsdpModule`` owns;
             ``grad_divisor`` not positive; malformed axes or placements.
         RuntimeError: called outside ``fully_shard_context``.
         TypeError, NotImplementedError: see ``placements.map_placements``; a parameter dtype other
@@ -328,6 +329,11 @@ def fully_shard(
     for sub in module.modules():
         if isinstance(sub, FsdpModule) and sub.context is not context:
             raise ValueError("Cannot fully_shard a module containing an FSDP child from another fully_shard_context.")
+        if unit_of(sub) is not None and not isinstance(sub, FsdpModule):
+            raise ValueError(
+                f"Cannot fully_shard a module containing a child ({type(sub).__name__}) sharded by "
+                "megatron_fsdp.fully_shard or fully_shard_model; a model uses one of the entry points."
+            )
     mapping = map_placements(placements, mesh)
     if isinstance(grad_divisor, bool) or not isinstance(grad_divisor, (int, float)) or grad_divisor <= 0:
         raise ValueError(f"grad_divisor must be positive, got {grad_divisor}.")

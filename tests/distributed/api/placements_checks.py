@@ -389,6 +389,8 @@ def misuse_errors() -> None:
         engine_sharded = nn.Linear(4, 4)
         engine_fully_shard(engine_sharded)
         expect_error(ValueError, "already managed by FSDP", fully_shard, engine_sharded, mesh, zero3())
+        expect_error(ValueError, "a model uses one of the entry points", fully_shard,
+                     nn.Sequential(engine_sharded), mesh, zero3())
         expect_error(NotImplementedError, "Unsupported dtype: torch.float64", fully_shard,
                      nn.Linear(4, 4).double(), mesh, zero3())
         expect_error(ValueError, "grad_divisor must be positive", fully_shard, nn.Linear(4, 4), mesh, zero3(),
