@@ -272,7 +272,8 @@ def build_backend(
         model.to(device=device, dtype=torch.float32)
         wrapped = wrap_with_torch_fsdp2(model, device, layout, bf16=args.bf16,
                                         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-                                        untied=args.untie_embeddings_and_output_weights)
+                                        untied=args.untie_embeddings_and_output_weights,
+                                        reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
         return TorchFSDP2Backend(wrapped, device, layout)
     if not args.use_megatron_fsdp:
         # fp32 weights, bf16 compute under autocast: with --bf16 megatron-core builds its weights in bf16, whose

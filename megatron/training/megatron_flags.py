@@ -150,12 +150,56 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ddp-bucket-size", type=int, default=None)
     g.add_argument("--ddp-num-buckets", type=int, default=None)
 
+    add_distributed_group_args(p.add_argument_group("Megatron-LM main's distributed group"))
+
     g = p.add_argument_group("checkpoints (Megatron-LM)")
     # --use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler: arguments.py (the resume rule)
     g.add_argument("--async-save", action="store_true")
     g.add_argument("--use-persistent-ckpt-worker", action="store_true")
     g.add_argument("--dist-ckpt-strictness", choices=DIST_CKPT_STRICTNESS, default="assume_ok_unexpected")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true")
+
+
+def add_distributed_group_args(g: argparse._ArgumentGroup) -> None:
+    """The flags of Megatron-LM main's distributed argument group (``_add_distributed_args``, and its
+    Megatron-FSDP flags beside ``--megatron-fsdp-main-params-dtype``) that the groups above do not define,
+    with its dest names, defaults and choices."""
+    g.add_argument("--megatron-fsdp-version", type=int, default=1, choices=[1, 2])
+    g.add_argument("--megatron-fsdp-enable-fine-grained-param-gather", action="store_true")
+    g.add_argument("--megatron-fsdp-max-pool-double-buffer", action="store_true")
+    g.add_argument("--fsdp-db-use-persist-buf-on-alloc-fail", action="store_true")
+    g.add_argument("--fsdp-manual-registration", action="store_true")
+    g.add_argument("--disable-symmetric-registration", action="store_true")
+    g.add_argument("--gtp-remat-nccl-ub", action="store_true")
+    g.add_argument("--gtp-expert-remat-nccl-ub", action="store_true")
+    g.add_argument("--no-gradient-reduce-div-fusion", action="store_false", dest="gradient_reduce_div_fusion")
+    g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
+                   dest="torch_fsdp2_reshard_after_forward")
+    g.add_argument("--no-use-layer-wise-param-layout", action="store_false", dest="use_layer_wise_param_layout")
+    g.add_argument("--ddp-pad-buckets-for-high-nccl-busbw", action="store_true")
+    g.add_argument("--ddp-reduce-scatter-with-fp32-accumulation", action="store_true")
+    g.add_argument("--gtp-remat-reduce-scatter-with-fp32-accumulation", action="store_true")
+    g.add_argument("--ddp-param-name-patterns-for-fp32-local-accumulation", nargs="+", default=[])
+    g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true")
+    g.add_argument("--no-align-param-gather", action="store_false", dest="align_param_gather")
+    g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--pipeline-model-parallel-layout", type=str, default=None)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    g.add_argument("--model-parallel-size", type=int, default=None)
+    g.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"])
+    g.add_argument("--fake-process-group", action="store_true")
+
+
+# The flags of add_distributed_group_args that stop a run when set, and the reason.
+_PIPELINE = "pipeline parallelism is not built here (--pipeline-model-parallel-size 1 only)"
+_NCCL_UB = ("it changes how --use-nccl-ub registers NCCL user buffers, and --use-nccl-ub stops here (pooled "
+            "buffers, no registration); alone it changes nothing")
+_DOUBLE_BUFFER = ("it changes --fsdp-double-buffer's allocator, and --fsdp-double-buffer stops here (the engine's "
+                  "buffer pool recycles gathered-weight memory of any size); alone it changes nothing")
+_CP_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 
 
 def add_moe_compat_args(g: argparse._ArgumentGroup) -> None:
@@ -314,6 +358,51 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
                                       "parameters sharded over world / (ETP x EP) expert data-parallel ranks; "
                                       "sizes > 1 need megatron-core's model; a size other than the TP size needs "
                                       "--expert-model-parallel-size > 1"),
+    "--megatron-fsdp-version": ("effect", "1 (default) or 2, Megatron-LM's placements API (megatron_fsdp."
+                                "experimental): both run this one engine with the same strategy flags, and the "
+                                "start-up summary says so; 2 with --use-distributed-optimizer stops, as in "
+                                "Megatron-LM; without --use-megatron-fsdp it changes nothing (as there)"),
+    "--megatron-fsdp-enable-fine-grained-param-gather": ("no-op", "each FSDP unit's weights are one all-gather, "
+                                                         "prefetched a unit ahead; the finer gather serves MXFP8 "
+                                                         "recompute with TransformerEngine, not available here"),
+    "--megatron-fsdp-max-pool-double-buffer": ("no-op", _DOUBLE_BUFFER),
+    "--fsdp-db-use-persist-buf-on-alloc-fail": ("no-op", _DOUBLE_BUFFER),
+    "--fsdp-manual-registration": ("no-op", _NCCL_UB),
+    "--disable-symmetric-registration": ("no-op", _NCCL_UB),
+    "--gtp-remat-nccl-ub": ("stops", "GTP weight rematerialisation (and its NCCL symmetric buffers) is not built"),
+    "--gtp-expert-remat-nccl-ub": ("stops", "GTP weight rematerialisation of experts is not built"),
+    "--no-gradient-reduce-div-fusion": ("no-op", "the engine scales each gradient inside its reduction either way "
+                                        "(gradient_scaling); the same numbers"),
+    "--torch-fsdp2-no-reshard-after-forward": ("effect", "with --use-torch-fsdp2: FSDP2's reshard_after_forward="
+                                               "False (ZeRO-2-like: weights stay gathered from forward to backward); "
+                                               "without --use-torch-fsdp2 it stops"),
+    "--no-use-layer-wise-param-layout": ("no-op", "the LayerWise layout is Megatron-LM's Muon optimizer's; this "
+                                         "front-end trains with Adam"),
+    "--ddp-pad-buckets-for-high-nccl-busbw": ("no-op", "as --ddp-bucket-size: no DDP buckets in the engine; the "
+                                              "DDP baseline is PyTorch DDP's"),
+    "--ddp-reduce-scatter-with-fp32-accumulation": ("stops", "a low-precision all-to-all with fp32 local "
+                                                    "accumulation is not built; --megatron-fsdp-main-grads-dtype "
+                                                    "fp32 reduces in fp32"),
+    "--gtp-remat-reduce-scatter-with-fp32-accumulation": ("stops", "GTP weight rematerialisation is not built"),
+    "--ddp-param-name-patterns-for-fp32-local-accumulation": ("stops", "per-parameter fp32 accumulation patterns "
+                                                              "are not built; --megatron-fsdp-main-grads-dtype fp32 "
+                                                              "accumulates every gradient in fp32"),
+    "--overlap-param-gather-with-optimizer-step": ("stops", "Megatron-LM allows it with interleaved pipeline "
+                                                   "parallelism only; " + _PIPELINE),
+    "--no-align-param-gather": ("no-op", "it staggers the all-gathers of pipeline stages; one stage here"),
+    "--no-overlap-p2p-communication": ("no-op", "no pipeline point-to-point communication: one stage here"),
+    "--decoder-first-pipeline-num-layers": ("stops", _PIPELINE),
+    "--decoder-last-pipeline-num-layers": ("stops", _PIPELINE),
+    "--pipeline-model-parallel-layout": ("stops", _PIPELINE),
+    "--num-layers-per-virtual-pipeline-stage": ("stops", _PIPELINE),
+    "--num-virtual-stages-per-pipeline-rank": ("stops", _PIPELINE),
+    "--model-parallel-size": ("stops", "Megatron-LM's old name, which it says not to use: pass "
+                              "--tensor-model-parallel-size"),
+    "--cp-comm-type": ("no-op", "context parallelism gathers keys and values from every CP rank (the allgather "
+                       "type) whatever the value; p2p, a2a and a2a+p2p compute the same attention by other "
+                       "exchanges; an unknown type stops"),
+    "--fake-process-group": ("stops", "a fake process group skips every collective, so a training run would be "
+                             "wrong; not built"),
 }
 
 
@@ -424,6 +513,7 @@ def _check_stops(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
     ):
         if on:
             fail(f"{flag} is not supported by this front-end: {FLAG_STATUS[flag][1]}")
+    _check_distributed_group(args, fail)
     if args.ckpt_format == "torch_dcp" and not args.use_torch_fsdp2:
         fail("--ckpt-format torch_dcp is Megatron-LM's format for --use-torch-fsdp2; pass --use-torch-fsdp2, or "
              "--ckpt-format fsdp_dtensor with --use-megatron-fsdp (torch_dist with DDP)")
@@ -476,6 +566,35 @@ def _check_fp8(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
          "quantized_model_init and gathering its FP8 parameters is not built (docs/mixed_precision.md, "
          "'TransformerEngine FP8 parameters'); use MixedPrecisionPolicy(gather_format='mxfp8') or gather_dtype "
          "through the library for a float8 weight all-gather")
+
+
+def _check_distributed_group(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
+    """Stop naming the flag where a flag of ``add_distributed_group_args`` cannot act (``FLAG_STATUS``)."""
+    for flag, on in (
+        ("--gtp-remat-nccl-ub", args.gtp_remat_nccl_ub),
+        ("--gtp-expert-remat-nccl-ub", args.gtp_expert_remat_nccl_ub),
+        ("--ddp-reduce-scatter-with-fp32-accumulation", args.ddp_reduce_scatter_with_fp32_accumulation),
+        ("--gtp-remat-reduce-scatter-with-fp32-accumulation", args.gtp_remat_reduce_scatter_with_fp32_accumulation),
+        ("--ddp-param-name-patterns-for-fp32-local-accumulation",
+         bool(args.ddp_param_name_patterns_for_fp32_local_accumulation)),
+        ("--overlap-param-gather-with-optimizer-step", args.overlap_param_gather_with_optimizer_step),
+        ("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers is not None),
+        ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers is not None),
+        ("--pipeline-model-parallel-layout", args.pipeline_model_parallel_layout is not None),
+        ("--num-layers-per-virtual-pipeline-stage", args.num_layers_per_virtual_pipeline_stage is not None),
+        ("--num-virtual-stages-per-pipeline-rank", args.num_virtual_stages_per_pipeline_rank is not None),
+        ("--model-parallel-size", args.model_parallel_size is not None),
+        ("--fake-process-group", args.fake_process_group),
+    ):
+        if on:
+            fail(f"{flag} is not supported by this front-end: {FLAG_STATUS[flag][1]}")
+    unknown = [t for t in args.cp_comm_type if t not in _CP_TYPES]
+    if unknown:
+        fail(f"--cp-comm-type {' '.join(unknown)}: Megatron-LM's types are {', '.join(_CP_TYPES)}")
+    if args.use_megatron_fsdp and args.megatron_fsdp_version == 2 and args.use_distributed_optimizer:
+        fail("--megatron-fsdp-version 2 is not compatible with --use-distributed-optimizer")
+    if not args.use_torch_fsdp2 and not args.torch_fsdp2_reshard_after_forward:
+        fail("--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2 (it sets FSDP2's reshard_after_forward)")
 
 
 def _check_torch_fsdp2(args: argparse.Namespace, fail: Callable[[str], None]) -> None:

@@ -118,6 +118,9 @@ def startup_summary(args: argparse.Namespace, layout: ParallelLayout, module: nn
                    f"{_ranks(layout.grad_group_size // instances)}")
         if instances > 1:
             backend += f" x {instances} replicas (HSDP, outer strategy {args.outer_dp_sharding_strategy})"
+        if getattr(args, "megatron_fsdp_version", 1) == 2:
+            backend += (" (--megatron-fsdp-version 2: Megatron-LM's placements API, megatron_fsdp.experimental, "
+                        "runs this same engine)")
     elif args.use_torch_fsdp2:
         backend = f"PyTorch FSDP2 (fully_shard, ZeRO-3) over {_ranks(layout.grad_group_size)}"
     else:

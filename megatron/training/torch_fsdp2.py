@@ -50,7 +50,7 @@ def _fsdp2_units(model: nn.Module, untied: bool) -> list[nn.Module]:
 
 
 def wrap_with_torch_fsdp2(model: nn.Module, device: torch.device, layout: ParallelLayout, *, bf16: bool,
-                          grad_reduce_in_bf16: bool, untied: bool) -> nn.Module:
+                          grad_reduce_in_bf16: bool, untied: bool, reshard_after_forward: bool = True) -> nn.Module:
     """``fully_shard`` the model's units and its root over ``layout``'s gradient group (DP x CP).
 
     The parameters' attributes (``tensor_model_parallel``, ``sequence_parallel``,
@@ -64,8 +64,8 @@ def wrap_with_torch_fsdp2(model: nn.Module, device: torch.device, layout: Parall
     )
     attrs = {name: dict(vars(param)) for name, param in model.named_parameters()}
     for unit in _fsdp2_units(model, untied):
-        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     for name, param in model.named_parameters():
         for key, value in attrs.get(name, {}).items():
             setattr(param, key, value)

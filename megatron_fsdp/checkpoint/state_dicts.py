@@ -9,7 +9,11 @@ A checkpoint holds one flat dict (DCP metadata keys)::
 
 This is exactly the layout that ``dcp.save({"model": get_model_state_dict(m),
 "optim": get_optimizer_state_dict(m, opt)})`` writes, so checkpoints are
-interchangeable with PyTorch FSDP2 / DDP users' checkpoints. Optimizer state is
+interchangeable with PyTorch FSDP2 / DDP users' checkpoints. Saved under the
+top-level name ``optimizer`` instead (``optimizer.state.<fqn>.<name>``,
+``optimizer.param_groups.<i>.<hyper>``: Megatron-LM's ``megatron_fsdp.experimental``
+and many FSDP2 scripts, ``optimizer_entries(..., prefix="optimizer.")``), the
+optimizer state loads the same way. Optimizer state is
 keyed by parameter FQN, never by index, so a checkpoint survives a change of
 parameter order or grouping (``apply_optimizer_state`` maps groups by FQN).
 
@@ -45,6 +49,8 @@ logger = logging.getLogger("megatron_fsdp.checkpoint")
 MODEL_PREFIX = "model."
 OPTIM_STATE_PREFIX = "optim.state."
 OPTIM_GROUPS_PREFIX = "optim.param_groups."
+# The top-level names an optimizer state dict is saved under: ours, and ``optimizer`` (module docstring).
+OPTIMIZER_PREFIXES = ("optim.", "optimizer.")
 DESCRIBE_LIMIT = 5  # keys named per kind in an error message
 
 
@@ -148,9 +154,17 @@ def model_names(model: nn.Module, layout: ModelParallel = NO_MODEL_PARALLEL) -> 
 
 
 def optimizer_entries(
-    model: nn.Module, optimizer: torch.optim.Optimizer, layout: ModelParallel = NO_MODEL_PARALLEL
+    model: nn.Module, optimizer: torch.optim.Optimizer, layout: ModelParallel = NO_MODEL_PARALLEL,
+    prefix: str = "optim.",
 ) -> dict[str, Any]:
-    """``optim.*`` entries of ``optimizer``, keyed by parameter name (see module docstring)."""
+    """``optim.*`` entries of ``optimizer``, keyed by parameter name (see module docstring).
+
+    ``prefix``: one of ``OPTIMIZER_PREFIXES``; ``"optimizer."`` writes Megatron-LM v2's / torch
+    ``get_optimizer_state_dict`` under ``"optimizer"`` layout.
+    """
+    if prefix not in OPTIMIZER_PREFIXES:
+        raise ValueError(f"optimizer_entries: prefix must be one of {OPTIMIZER_PREFIXES}, got {prefix!r}")
+    groups_prefix, state_prefix = f"{prefix}param_groups.", f"{prefix}state."
     fqns = parameter_fqns(model, layout)
     out: dict[str, Any] = {}
     for index, group in enumerate(optimizer.param_groups):
@@ -164,14 +178,14 @@ def optimizer_entries(
             names.append(fqns[id(param)])
         for key, value in group.items():
             if key != "params":
-                out[f"{OPTIM_GROUPS_PREFIX}{index}.{key}"] = value
-        out[f"{OPTIM_GROUPS_PREFIX}{index}.params"] = names
+                out[f"{groups_prefix}{index}.{key}"] = value
+        out[f"{groups_prefix}{index}.params"] = names
     for param, state in optimizer.state.items():
         name = fqns.get(id(param))
         if name is None:
             continue  # state of a parameter no longer in any group
         for key, value in state.items():
-            out[f"{OPTIM_STATE_PREFIX}{name}.{key}"] = checkpoint_value(value, param, layout, name)
+            out[f"{state_prefix}{name}.{key}"] = checkpoint_value(value, param, layout, name)
     return out
 
 
@@ -226,21 +240,23 @@ def plan_optimizer_load(
     model: nn.Module, optimizer: torch.optim.Optimizer, metadata: Metadata,
     layout: ModelParallel = NO_MODEL_PARALLEL,
 ) -> OptimizerLoadPlan:
-    """Targets for every ``optim.*`` entry of the checkpoint that belongs to ``optimizer``'s parameters."""
+    """Targets for every ``optim.*`` (or ``optimizer.*``) entry of the checkpoint that belongs to
+    ``optimizer``'s parameters."""
     fqns = parameter_fqns(model, layout)
     params = {fqns[id(p)]: p for group in optimizer.param_groups for p in group["params"] if id(p) in fqns}
     plan = OptimizerLoadPlan({}, {}, {}, KeyReport())
     by_length = sorted(params, key=len, reverse=True)  # longest FQN first: 'a.b' before 'a'
     for key, md in metadata.state_dict_metadata.items():
-        if key.startswith(OPTIM_GROUPS_PREFIX):
-            index, _, hyper = key[len(OPTIM_GROUPS_PREFIX):].partition(".")
+        prefix = next((p for p in OPTIMIZER_PREFIXES if key.startswith(p)), "")
+        if key.startswith(f"{prefix}param_groups.") and prefix:
+            index, _, hyper = key[len(prefix) + len("param_groups."):].partition(".")
             if not index.isdigit() or not hyper:
                 plan.report.unexpected_keys.append(key)
                 continue
             plan.group_keys[key] = (int(index), hyper)
             plan.entries[key] = None if isinstance(md, BytesStorageMetadata) else _state_target(torch.empty(()), md)
-        elif key.startswith(OPTIM_STATE_PREFIX):
-            rest = key[len(OPTIM_STATE_PREFIX):]
+        elif key.startswith(f"{prefix}state.") and prefix:
+            rest = key[len(prefix) + len("state."):]
             name = next((f for f in by_length if rest.startswith(f + ".")), None)
             if name is None:
                 plan.report.unexpected_keys.append(key)

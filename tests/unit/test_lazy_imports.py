@@ -75,3 +75,17 @@ def test_lazy_targets_are_package_modules() -> None:
         assert hasattr(importlib.import_module(f"megatron_fsdp.checkpoint.{sub}"), name), (name, sub)
         assert name in megatron_fsdp.checkpoint.__all__, name
     assert set(megatron_fsdp.checkpoint.__all__) == set(megatron_fsdp.checkpoint._LAZY)
+
+
+def test_placements_api_is_not_imported_by_the_library_and_loads_dcp_lazily() -> None:
+    seen = _fresh(
+        "import json, sys\n"
+        "import megatron_fsdp\n"
+        "eager = 'megatron_fsdp.experimental' in sys.modules\n"
+        "import megatron_fsdp.experimental as e\n"
+        "dcp = 'torch.distributed.checkpoint' in sys.modules\n"
+        "missing = [n for n in e.__all__ if getattr(e, n, None) is None or n not in dir(e)]\n"
+        "print(json.dumps({'eager': eager, 'dcp': dcp, 'missing': missing,"
+        " 'after': 'torch.distributed.checkpoint' in sys.modules}))"
+    )
+    assert seen == {"eager": False, "dcp": False, "missing": [], "after": True}, seen

@@ -136,6 +136,19 @@ def _validated(argv: list[str], world: int = 2):
     (["--multi-latent-attention", "--model-provider", "gpt"],
      "--multi-latent-attention: only megatron-core's GPTModel implements it"),
     (["--num-experts", "2", "--moe-layer-freq", "[1,0,1]"], "--moe-layer-freq lists 3 layers"),
+    # Megatron-LM main's distributed group
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim", "--use-distributed-optimizer",
+      "--megatron-fsdp-version", "2"], "--megatron-fsdp-version 2 is not compatible with --use-distributed-optimizer"),
+    (["--pipeline-model-parallel-layout", "E|t|L"],
+     "--pipeline-model-parallel-layout is not supported by this front-end: pipeline parallelism is not built"),
+    (["--model-parallel-size", "2"], "--model-parallel-size is not supported by this front-end: Megatron-LM's old "
+                                     "name, which it says not to use: pass --tensor-model-parallel-size"),
+    (["--ddp-param-name-patterns-for-fp32-local-accumulation", "all"],
+     "--ddp-param-name-patterns-for-fp32-local-accumulation is not supported"),
+    (["--fake-process-group"], "--fake-process-group is not supported"),
+    (["--gtp-remat-nccl-ub"], "--gtp-remat-nccl-ub is not supported"),
+    (["--cp-comm-type", "ring"], "--cp-comm-type ring: Megatron-LM's types are p2p, a2a, allgather, a2a+p2p"),
+    (["--torch-fsdp2-no-reshard-after-forward"], "--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2"),
 ])
 def test_flags_that_cannot_act_stop_naming_the_flag(argv, message):
     if "transformer_engine" in argv and _te_installed():
@@ -210,6 +223,12 @@ def test_start_up_effects():
     args = _validated(["--use-megatron-fsdp", "--bf16", "--megatron-fsdp-main-grads-dtype", "fp32"])
     assert args.preserve_fp32_weights is True and args.accumulate_allreduce_grads_in_fp32 is True
     assert _validated(["--hidden-size", "64", "--num-attention-heads", "4"]).kv_channels == 16
+    args = _validated(["--use-megatron-fsdp", "--megatron-fsdp-version", "2", "--cp-comm-type", "a2a", "p2p",
+                       "--megatron-fsdp-max-pool-double-buffer", "--disable-symmetric-registration",
+                       "--no-gradient-reduce-div-fusion", "--no-overlap-p2p-communication"])
+    assert args.megatron_fsdp_version == 2 and args.cp_comm_type == ["a2a", "p2p"]
+    args = _validated(["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"])
+    assert args.torch_fsdp2_reshard_after_forward is False
 
 
 def test_moe_layer_freq_reads_megatrons_expressions():
