@@ -25,8 +25,9 @@ preprocessing tool and ``arguments.py`` import this module, and must start witho
 (it takes seconds to import; tests/unit/frontend/test_frontend_arguments.py validates flags
 where megatron-core is blocked). ``NullTokenizer`` numbers ids as megatron-core's (checked by
 tests/unit/frontend/test_tokenizers.py) and rejects ids outside the vocabulary; megatron-core's
-``ByteLevelTokenizer`` numbers bytes differently (see docs/data.md), and checkpoints trained with
-``--tokenizer-type ByteTokenizer`` depend on ours.
+``ByteLevelTokenizer`` numbers its special tokens differently (eos 0, the NUL byte's id; pad 1;
+vocabulary 512: see docs/data.md), and data and checkpoints of ``--tokenizer-type ByteTokenizer``
+depend on ours (eod 256, vocabulary 257).
 """
 
 from __future__ import annotations
