@@ -221,12 +221,16 @@ def train_valid_test_num_samples(args: Any) -> tuple[int, int, int]:
     return train_iters * gbs, evals * eval_iters * gbs, eval_iters * gbs
 
 
+def _data_path_list(args: Any) -> list[str]:
+    data_path = getattr(args, "data_path", None)
+    return data_path.split() if isinstance(data_path, str) else list(data_path or [])
+
+
 def data_prefixes(args: Any) -> list[str]:
     """The dataset prefixes of ``--data-path`` (megatron-core's ``get_blend_from_list``); [] with --mock-data."""
     if getattr(args, "mock_data", False):
         return []
-    data_path = getattr(args, "data_path", None)
-    data_path = data_path.split() if isinstance(data_path, str) else list(data_path or [])
+    data_path = _data_path_list(args)
     if not data_path:
         raise UsageValueError("--data-path is empty: give PREFIX, or W1 PREFIX1 W2 PREFIX2 ..., or use --mock-data")
     prefixes, weights = get_blend_from_list(data_path)
@@ -304,8 +308,7 @@ def core_gpt_dataset_config_from_args(args: Any, tokenizer: Any) -> GPTDatasetCo
     config = GPTDatasetConfig(
         random_seed=int(args.seed),
         sequence_length=int(args.seq_length),
-        blend=get_blend_from_list(list(args.data_path) if not isinstance(args.data_path, str)
-                                  else args.data_path.split()) if prefixes else None,
+        blend=get_blend_from_list(_data_path_list(args)) if prefixes else None,
         split=split,
         path_to_cache=getattr(args, "data_cache_path", None),
         mmap_bin_files=True,
