@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch import nn
 
-from megatron.training.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.parallel_state import ParallelLayout
 from megatron_fsdp.parallel import ContextParallel, TensorParallel
 
@@ -31,8 +31,10 @@ def checkpoint_parts() -> tuple[nn.Module, torch.optim.Optimizer, OptimizerParam
     scheduler, and a data-parallel-only layout over every rank of the default group."""
     model = nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = OptimizerParamScheduler(optimizer, max_lr=1e-3, min_lr=1e-4, warmup_steps=1, decay_steps=10,
-                                        decay_style="linear")
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=1,
+                                        lr_decay_steps=10, lr_decay_style="linear", start_wd=0.01, end_wd=0.01,
+                                        wd_incr_steps=10, wd_incr_style="constant",
+                                        use_checkpoint_opt_param_scheduler=False)
     layout = ParallelLayout(None, TensorParallel.single(), ContextParallel.single(), dist.group.WORLD,
                             dist.group.WORLD, dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
     return model, optimizer, scheduler, layout

@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron.training.datasets.indexed_dataset import IndexedDatasetBuilder, optimal_dtype  # noqa: E402
+from megatron.training.indexed_writer import IndexedDatasetBuilder, optimal_dtype  # noqa: E402
 from megatron.training.tokenizer import TOKENIZER_TYPES, build_tokenizer_from  # noqa: E402
 
 _TOKENIZER = None

@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
 from megatron_fsdp.sharding.strategy import OUTER_STRATEGY_NAMES, STRATEGY_NAMES
 
-from .datasets.builder import parse_split
 from .errors import UsageValueError, print_once
 from .initialize import print_rank_0
 from .mcore_model import choose_model_provider
@@ -252,9 +252,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.lr_warmup_iters = args.lr_warmup_fraction * args.lr_decay_iters
     if args.min_lr > args.lr:
         _fail(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
-    if args.lr_decay_style != "constant" and args.lr_warmup_iters >= args.lr_decay_iters:
+    if args.lr_warmup_iters >= args.lr_decay_iters:  # megatron-core's OptimizerParamScheduler asserts it
         _fail(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < --lr-decay-iters ({args.lr_decay_iters}, "
-              f"default --train-iters) with --lr-decay-style {args.lr_decay_style}")
+              f"default --train-iters), for every --lr-decay-style (megatron-core's OptimizerParamScheduler "
+              f"requires it; here --lr-decay-style {args.lr_decay_style})")
     args.params_dtype = "bfloat16" if args.bf16 else "float32"
     return args
 
@@ -309,6 +310,28 @@ def _validate_numbers(args: argparse.Namespace) -> None:
         _fail(str(error))
 
 
+_SPLIT_NUMBER = re.compile(r"^\s*\d+(\.\d*)?\s*$|^\s*\.\d+\s*$")
+
+
+def parse_split(split: str) -> list[float]:
+    """``"969,30,1"`` (or ``"969/30/1"``, 1 to 3 numbers, missing ones 0) as fractions summing to 1.
+
+    The user-facing check of ``--split``: megatron-core's ``parse_and_normalize_split`` reads any
+    digits it finds in the string (``"90,x"`` becomes ``90,0,0``) and asserts on the rest.
+    """
+    parts = re.split(r"[,/]", split) if isinstance(split, str) else None
+    if not parts or len(parts) > 3 or not all(_SPLIT_NUMBER.match(p) for p in parts):
+        raise ValueError(
+            f"--split {split!r} is not valid: give 1 to 3 non-negative numbers separated by ',' or '/' "
+            "(train,valid,test weights), e.g. \"969,30,1\""
+        )
+    weights = [float(p) for p in parts] + [0.0] * (3 - len(parts))
+    if sum(weights) <= 0:
+        raise ValueError(f"--split {split!r}: the weights sum to 0; at least one must be positive")
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
 def _validate_query_groups(args: argparse.Namespace) -> None:
     """Megatron reads --num-query-groups only with --group-query-attention; without it: every head its own group."""
     if args.num_query_groups is not None and not args.group_query_attention:
@@ -357,7 +380,7 @@ def _validate_batch(args: argparse.Namespace) -> None:
     if args.global_batch_size % per_step:
         _fail(f"--global-batch-size ({args.global_batch_size}) must be divisible by --micro-batch-size "
               f"({args.micro_batch_size}) times the data-parallel size ({args.data_parallel_size})")
-    args.num_microbatches = args.global_batch_size // per_step
+    # the number of micro-batches comes from megatron-core's calculator (config.init_num_microbatches)
 
 
 def _validate_fsdp(args: argparse.Namespace) -> None:

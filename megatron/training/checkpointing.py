@@ -17,7 +17,7 @@ What is refused, and why (docs/megatron.md, "Checkpoints"):
   ``--finetune`` or ``--no-load-args-check``: equal shapes would load silently;
 - a checkpoint whose learning-rate schedule differs from the flags, unless
   ``--override-opt_param-scheduler`` or ``--use-checkpoint-opt_param-scheduler``
-  (Megatron-LM's rule, ``optimizer_param_scheduler.py``);
+  (Megatron-LM's rule, ``model_setup.check_scheduler_state`` before megatron-core's ``OptimizerParamScheduler``);
 - a checkpoint missing a part (``extra.pt`` holds the data position) or with a
   damaged file (the library checks its SHA-256 manifest).
 """
@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch import nn
 
 from megatron_fsdp.checkpoint import (
@@ -51,7 +52,7 @@ from megatron_fsdp.checkpoint.sharded_io import is_checkpoint_dir, run_on_first
 from .config import RunState
 from .errors import UsageFileNotFoundError, UsageValueError
 from .initialize import print_rank_0
-from .optimizer_param_scheduler import OptimizerParamScheduler
+from .model_setup import check_scheduler_state
 from .parallel_state import ParallelLayout
 from .rng_tracker import (
     MODEL_PARALLEL_TRACKER_KEY,
@@ -293,7 +294,7 @@ def _check_extra(
                 "start. Load it with --finetune to take only the weights"
             )
         if scheduler is not None and not (args.finetune or args.no_load_optim):
-            scheduler.check_state_dict(extra["scheduler"], f"--load {args.load}")
+            check_scheduler_state(scheduler, extra["scheduler"], f"--load {args.load}")
 
     return check
 

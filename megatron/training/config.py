@@ -2,7 +2,9 @@
 
 ``TrainingConfig`` is what the loop reads (frozen: nothing writes it during a run);
 ``RunState`` is what a run changes and a checkpoint saves (the iteration and the data
-position). The flags namespace itself is frozen once set-up has derived its values
+position). The number of micro-batches per step is megatron-core's
+(``num_microbatches_calculator``), set up by ``init_num_microbatches``.
+The flags namespace itself is frozen once set-up has derived its values
 (``freeze_args``): a write to it raises instead of becoming hidden run state.
 """
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from megatron.core import num_microbatches_calculator
+
 
 @dataclass(frozen=True)
 class TrainingConfig:
@@ -18,7 +22,7 @@ class TrainingConfig:
 
     train_iters: int
     global_batch_size: int
-    num_microbatches: int  # global batch / (micro batch x data-parallel size)
+    num_microbatches: int  # global batch / (micro batch x data-parallel size): megatron-core's calculator
     lr: float  # for the NaN message; the schedule owns the current learning rate
     clip_grad: float  # 0: no clipping (the norm is still computed and logged)
     bf16: bool
@@ -34,16 +38,36 @@ class TrainingConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainingConfig:
-        """The settings of validated ``args`` (``validate_args`` derived ``num_microbatches``)."""
+        """The settings of validated ``args``; ``num_microbatches`` from megatron-core's calculator
+        (``init_num_microbatches`` first)."""
         return cls(
             train_iters=args.train_iters, global_batch_size=args.global_batch_size,
-            num_microbatches=args.num_microbatches, lr=args.lr, clip_grad=args.clip_grad, bf16=args.bf16,
+            num_microbatches=num_microbatches_calculator.get_num_microbatches(), lr=args.lr, clip_grad=args.clip_grad,
+            bf16=args.bf16,
             calculate_per_token_loss=args.calculate_per_token_loss,
             check_for_nan=args.check_for_nan_in_loss_and_grad, log_interval=args.log_interval,
             eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
             save_interval=args.save_interval, exit_interval=args.exit_interval,
             tensorboard_dir=args.tensorboard_dir,
         )
+
+
+def init_num_microbatches(args: argparse.Namespace, rank: int = 0) -> int:
+    """Set up megatron-core's micro-batch calculator for validated ``args``; its number of micro-batches.
+
+    As Megatron-LM's initialisation does (``init_num_microbatches_calculator``), with a constant
+    global batch: ``--rampup-batch-size`` is not a flag here. A calculator set up before (an
+    earlier ``pretrain`` in the same process) is replaced. ``validate_args`` has already checked,
+    with a message naming the flags, that the global batch splits into whole micro-batches (the
+    calculator asserts it).
+    """
+    num_microbatches_calculator.unset_num_microbatches_calculator()
+    num_microbatches_calculator.init_num_microbatches_calculator(
+        rank=rank, rampup_batch_size=None, global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size, data_parallel_size=args.data_parallel_size,
+        decrease_batch_size_if_needed=False,
+    )
+    return num_microbatches_calculator.get_num_microbatches()
 
 
 @dataclass

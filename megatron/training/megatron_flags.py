@@ -241,7 +241,8 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
     "--vocab-file": ("effect", "GPT-2's vocab.json for --tokenizer-type GPT2BPETokenizer (selected when the two "
                      "files are given without a --tokenizer-type, as Megatron-LM's configurations do)"),
     "--merge-file": ("effect", "GPT-2's merges.txt, as --vocab-file"),
-    "--data-cache-path": ("no-op", "dataset indices are built in memory at start and never cached to disk"),
+    "--data-cache-path": ("effect", "where megatron-core caches the datasets' document, sample and shuffle indices "
+                          "(default: PREFIX/cache/GPTDataset_indices beside the data, as Megatron-LM)"),
     "--lr-warmup-fraction": ("effect", "warmup iterations = fraction x --lr-decay-iters (Megatron's rule; not with "
                              "--lr-warmup-iters)"),
     "--lr-wsd-decay-style": ("effect", "the annealing shape of --lr-decay-style WSD"),

@@ -1,14 +1,18 @@
-"""Model-side settings from the flags: padded vocabulary, the DDP config, Megatron's AdamW groups."""
+"""Model-side settings from the flags: padded vocabulary, the DDP config, Megatron's AdamW groups and the
+learning-rate schedule (megatron-core's ``OptimizerParamScheduler``, with the front-end's user-facing checks)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch import nn
 
 from megatron_fsdp.api.config import DistributedDataParallelConfig
 
+from .errors import UsageValueError
 from .tokenizer import build_tokenizer
 
 
@@ -47,12 +51,18 @@ def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelCon
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Megatron's groups: no weight decay for biases and norm weights (1-D parameters)."""
+    """Megatron's groups: no weight decay for biases and norm weights (1-D parameters).
+
+    Each carries Megatron-LM's ``wd_mult`` and ``lr_mult``: megatron-core's scheduler writes
+    ``weight_decay = wd * wd_mult`` into every group at every step, so the no-decay group's
+    ``wd_mult`` is 0.
+    """
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (no_decay if param.dim() <= 1 else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0, "lr_mult": 1.0},
+            {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0, "lr_mult": 1.0}]
 
 
 def build_adamw(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
@@ -61,3 +71,73 @@ def build_adamw(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optim
         _param_groups(model, args.weight_decay), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_eps, weight_decay=args.weight_decay,
     )
+
+
+# (state-dict keys, the flag that sets the value): the schedule's shape, compared at --load. The first key
+# is megatron-core's; the second the one this project's own scheduler saved before megatron-core's was used.
+SCHEDULE_FLAGS = (
+    (("max_lr", "max_lr"), "--lr"), (("min_lr", "min_lr"), "--min-lr"),
+    (("lr_warmup_steps", "warmup_steps"), "--lr-warmup-iters"),
+    (("lr_decay_steps", "decay_steps"), "--lr-decay-iters (default --train-iters)"),
+    (("lr_decay_style", "decay_style"), "--lr-decay-style"),
+    (("start_wd", "start_wd"), "--weight-decay"), (("end_wd", "end_wd"), "--weight-decay"),
+)
+
+
+def build_optimizer_param_scheduler(
+    args: argparse.Namespace, optimizer: torch.optim.Optimizer
+) -> OptimizerParamScheduler:
+    """megatron-core's ``OptimizerParamScheduler`` for the flags, as Megatron-LM's ``get_optimizer_param_scheduler``.
+
+    Counted in iterations (one ``step(increment=1)`` per optimizer step), where Megatron-LM counts
+    samples (iterations x --global-batch-size): the learning rates are the same with a fixed
+    global batch, and checkpoints of this project saved before keep their meaning. Weight decay
+    is constant (``--weight-decay``; Megatron-LM's ``--start-weight-decay`` and friends are not
+    flags here). megatron-core asserts what ``validate_args`` has already checked with a message
+    (``--lr-warmup-iters`` < ``--lr-decay-iters``, ``--min-lr`` <= ``--lr``); the contradiction of
+    ``--override-opt_param-scheduler`` and ``--use-checkpoint-opt_param-scheduler`` is said here.
+    """
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise UsageValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+                              "contradict each other (this run's schedule or the checkpoint's): give one")
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.lr_decay_iters,
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        wsd_decay_steps=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )
+
+
+def _saved(state: dict[str, Any], keys: tuple[str, str]) -> Any:
+    return state[keys[0]] if keys[0] in state else state.get(keys[1])
+
+
+def schedule_mismatch(scheduler: OptimizerParamScheduler, state: dict[str, Any]) -> list[str]:
+    """``FLAG saved (x) vs now (y)`` for each value of the schedule's shape that differs from ``state``'s."""
+    now = scheduler.state_dict()
+    differ = []
+    for keys, flag in SCHEDULE_FLAGS:
+        saved = _saved(state, keys)
+        if saved is not None and saved != now[keys[0]]:
+            differ.append(f"{flag} {saved} (saved) vs {now[keys[0]]} (now)")
+    return differ
+
+
+def check_scheduler_state(scheduler: OptimizerParamScheduler, state: dict[str, Any], where: str) -> None:
+    """Refuse ``state`` (a checkpoint's, at ``where``) whose schedule differs, unless a flag chose a side.
+
+    megatron-core's ``load_state_dict`` asserts the same (Megatron-LM's rule); this says which flag
+    differs, with both values and the two ways out, before it runs.
+    """
+    if scheduler.override_opt_param_scheduler or scheduler.use_checkpoint_opt_param_scheduler:
+        return
+    differ = schedule_mismatch(scheduler, state)
+    if differ:
+        raise UsageValueError(
+            f"{where}: the checkpoint's learning-rate schedule differs from this run's flags: {'; '.join(differ)}. "
+            "Pass the saved values (to train longer than the schedule planned, give the same --lr-decay-iters "
+            "when starting and resuming), or --use-checkpoint-opt_param-scheduler to continue the saved "
+            "schedule, or --override-opt_param-scheduler to switch to this run's (Megatron-LM's rule)"
+        )

@@ -5,16 +5,29 @@
 * ``ByteTokenizer`` (ours, works offline with no files): ids 0..255 are the UTF-8 bytes of the
   text, the end-of-document id is 256, ``vocab_size`` is 257. ``--vocab-size`` is ignored.
 * ``GPT2BPETokenizer`` (Megatron's): GPT-2's byte-level BPE from ``--vocab-file`` (vocab.json)
-  and ``--merge-file`` (merges.txt), local files (``gpt2_bpe.py``); ``eod`` is ``<|endoftext|>``.
+  and ``--merge-file`` (merges.txt), local files, run by Hugging Face ``tokenizers`` (its BPE
+  model with GPT-2's byte-level pre-tokenizer and decoder); ``eod`` is ``<|endoftext|>``.
   Megatron-LM's configurations pass the two files without ``--tokenizer-type``: given both and
-  no type, this tokenizer is used.
+  no type, this tokenizer is used. (megatron-core 0.16.1's ``GPT2BPETokenizer`` cannot serve:
+  it asks the model hub for ``gpt2/config.json``, failing offline, and passes the vocabulary
+  file as the merges file.)
 * ``HuggingFaceTokenizer``: ``--tokenizer-model`` is a local ``tokenizer.json`` (or a directory
   holding one), read with ``tokenizers``, or a saved ``transformers`` tokenizer directory (with
   ``tokenizer_config.json``), read with ``AutoTokenizer``. Nothing is downloaded. ``eod`` is the
   tokenizer's end-of-sequence token; ``vocab_size`` counts added tokens.
 
-Every tokenizer exposes ``vocab_size`` (ids are in ``[0, vocab_size)``), ``eod``, ``tokenize(text)``
-and ``detokenize(ids)``. The trainer pads ``vocab_size`` for the embedding table.
+Every tokenizer exposes ``vocab_size`` (ids are in ``[0, vocab_size)``), ``eod``, ``tokenize(text)``,
+``detokenize(ids)`` and ``unique_identifiers`` (what megatron-core's datasets hash into their
+cache names). The trainer pads ``vocab_size`` for the embedding table.
+
+``NullTokenizer`` and ``ByteTokenizer`` are the front-end's own, a few lines each: the
+preprocessing tool and ``arguments.py`` import this module, and must start without megatron-core
+(it takes seconds to import; tests/unit/frontend/test_frontend_arguments.py validates flags
+where megatron-core is blocked). ``NullTokenizer`` numbers ids as megatron-core's (checked by
+tests/unit/frontend/test_tokenizers.py) and rejects ids outside the vocabulary; megatron-core's
+``ByteLevelTokenizer`` numbers its special tokens differently (eos 0, the NUL byte's id; pad 1;
+vocabulary 512: see docs/data.md), and data and checkpoints of ``--tokenizer-type ByteTokenizer``
+depend on ours (eod 256, vocabulary 257).
 """
 
 from __future__ import annotations
@@ -23,8 +36,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import UsageValueError
-from .gpt2_bpe import GPT2BPETokenizer
+from .errors import UsageFileNotFoundError, UsageValueError
 
 TOKENIZER_TYPES = ("NullTokenizer", "ByteTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
 
@@ -73,6 +85,11 @@ class NullTokenizer:
     def detokenize(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
 
+    @property
+    def unique_identifiers(self) -> dict[str, Any]:
+        """What megatron-core's datasets hash of the tokenizer."""
+        return {"class": "NullTokenizer", "vocab_size": self._text_vocab_size}
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids; needs no vocabulary file, so preprocessing and training work offline."""
@@ -86,6 +103,75 @@ class ByteTokenizer:
     def detokenize(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
+    @property
+    def unique_identifiers(self) -> dict[str, Any]:
+        """What megatron-core's datasets hash of the tokenizer."""
+        return {"class": "ByteTokenizer"}
+
+
+EOD_TOKEN = "<|endoftext|>"
+
+
+def _tokenizers_package(what: str) -> Any:
+    try:
+        import tokenizers
+    except ImportError:
+        raise ImportError(f"{what} needs Hugging Face `tokenizers` (pip install tokenizers; the front-end's "
+                          "`training` extra installs it)") from None
+    return tokenizers
+
+
+class GPT2BPETokenizer:
+    """Megatron's ``GPT2BPETokenizer``: GPT-2's byte-level BPE from local ``vocab.json`` and ``merges.txt``.
+
+    Run by Hugging Face ``tokenizers``: ``models.BPE.from_file(vocab, merges)`` with GPT-2's
+    byte-level pre-tokenizer (its split pattern, bytes mapped to printable characters) and
+    decoder. ``eod`` is ``<|endoftext|>``'s id and ``vocab_size`` the vocabulary's length, as in
+    Megatron-LM.
+    """
+
+    def __init__(self, vocab_file: str | None, merge_file: str | None) -> None:
+        files = (("--vocab-file", vocab_file, "vocab.json"), ("--merge-file", merge_file, "merges.txt"))
+        for flag, path, name in files:
+            if not path:
+                raise UsageValueError(
+                    f"--tokenizer-type GPT2BPETokenizer requires {flag} (GPT-2's {name}, a local file)")
+            if not os.path.isfile(path):
+                raise UsageFileNotFoundError(f"{flag} {path} does not exist (nothing is downloaded)")
+        tokenizers = _tokenizers_package("--tokenizer-type GPT2BPETokenizer")
+        try:
+            model = tokenizers.models.BPE.from_file(vocab_file, merge_file)
+        except Exception as error:  # tokenizers raises its own Exception type, with the reason
+            raise UsageValueError(f"--vocab-file {vocab_file} and --merge-file {merge_file} are not a GPT-2 "
+                                  f"vocab.json and merges.txt pair: {error}") from None
+        self._tokenizer = tokenizers.Tokenizer(model)
+        self._tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._tokenizer.decoder = tokenizers.decoders.ByteLevel()
+        eod = self._tokenizer.token_to_id(EOD_TOKEN)
+        if eod is None:
+            raise UsageValueError(f"--vocab-file {vocab_file} has no {EOD_TOKEN} (GPT-2's end-of-document token)")
+        self._eod = int(eod)
+        self._files = (os.path.abspath(vocab_file), os.path.abspath(merge_file))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def unique_identifiers(self) -> dict[str, Any]:
+        """What megatron-core's datasets hash of the tokenizer."""
+        return {"class": "GPT2BPETokenizer", "vocab_file": self._files[0], "merge_file": self._files[1]}
+
 
 class HuggingFaceTokenizer:
     """A local Hugging Face tokenizer: ``tokenizers`` for a bare tokenizer.json, else ``AutoTokenizer``."""
@@ -98,6 +184,7 @@ class HuggingFaceTokenizer:
                 f"--tokenizer-model {model_path} does not exist (a local tokenizer directory or tokenizer.json "
                 "is required; nothing is downloaded)"
             )
+        self._model_path = os.path.abspath(model_path)
         self._hf: Any = None
         self._fast: Any = None
         json_path = model_path if os.path.isfile(model_path) else os.path.join(model_path, "tokenizer.json")
@@ -151,6 +238,11 @@ class HuggingFaceTokenizer:
         if self._hf is not None:
             return self._hf.decode(ids)
         return self._fast.decode(ids)
+
+    @property
+    def unique_identifiers(self) -> dict[str, Any]:
+        """What megatron-core's datasets hash of the tokenizer."""
+        return {"class": "HuggingFaceTokenizer", "model": self._model_path}
 
 
 Tokenizer = NullTokenizer | ByteTokenizer | GPT2BPETokenizer | HuggingFaceTokenizer

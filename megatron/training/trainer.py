@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch import nn
 
 from megatron.training.reduce import all_reduce
@@ -34,7 +35,6 @@ from .logging_utils import (
 )
 from .mcore_moe import McoreMoE
 from .nan_check import NAN_CAUSES, NonFiniteLossError, nan_error
-from .optimizer_param_scheduler import OptimizerParamScheduler
 
 # forward_step(batch, model) -> (per-token losses [mbs, seq], loss_mask [mbs, seq])
 ForwardStep = Callable[[dict, nn.Module], tuple[torch.Tensor, torch.Tensor]]
@@ -301,7 +301,7 @@ class Trainer:
                                 self.optimizer.param_groups[0]["lr"])
             state.consumed_train_samples += config.global_batch_size
             if step.stepped:
-                self.scheduler.step()
+                self.scheduler.step(increment=1)
                 advanced += 1
             lr = self.optimizer.param_groups[0]["lr"]  # after the schedule's step, as Megatron logs it
             result.losses[iteration], result.grad_norms[iteration] = step.loss, step.grad_norm

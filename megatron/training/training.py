@@ -22,13 +22,12 @@ from torch import nn
 from . import checkpointing
 from .arguments import parse_args, validate_args
 from .backends import build_backend
-from .config import RunState, TrainingConfig, freeze_args
+from .config import RunState, TrainingConfig, freeze_args, init_num_microbatches
 from .data_loader import build_train_valid_test_data_iterators, check_data_files
 from .errors import UsageValueError
 from .global_vars import set_args
 from .initialize import check_save_dir, initialize_distributed, print_rank_0, set_random_seed
-from .model_setup import build_adamw, pad_vocab_size
-from .optimizer_param_scheduler import OptimizerParamScheduler
+from .model_setup import build_adamw, build_optimizer_param_scheduler, pad_vocab_size
 from .parallel_state import build_layout, set_context_parallel, set_expert_parallel, set_tensor_parallel
 from .rng_tracker import model_parallel_manual_seed
 from .summary import end_of_run_summary, startup_summary
@@ -46,6 +45,7 @@ def pretrain(
     args = parse_args(argv)
     device = initialize_distributed(args)
     validate_args(args, dist.get_world_size())
+    args.num_microbatches = init_num_microbatches(args, dist.get_rank())  # megatron-core's calculator
     if args.save:
         check_save_dir(args.save)
     check_data_files(args)  # missing or truncated --data-path files: before the model is built
@@ -66,13 +66,7 @@ def pretrain(
     model_parallel_manual_seed(args.seed, layout.tp.rank, device.type)
     backend = build_backend(args, model_provider, device, layout)
     optimizer = backend.wrap_optimizer(build_adamw(args, backend.model))
-    scheduler = OptimizerParamScheduler(
-        optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
-        decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style,
-        wsd_decay_steps=args.lr_wsd_decay_iters, wsd_decay_style=args.lr_wsd_decay_style,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-    )
+    scheduler = build_optimizer_param_scheduler(args, optimizer)  # megatron-core's OptimizerParamScheduler
     state = checkpointing.load(args, backend.module, optimizer, scheduler, layout) if args.load else RunState()
     if state.iteration >= args.train_iters:
         print_rank_0(f"--load {args.load} is at iteration {state.iteration} and --train-iters is {args.train_iters}: "

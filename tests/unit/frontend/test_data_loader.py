@@ -1,4 +1,5 @@
-"""Per-rank micro-batches follow Megatron's sampler: layout, dp-size independence, resume, errors."""
+"""The data path of pretrain_gpt.py: megatron-core's datasets as Megatron-LM builds them, Megatron's sampler
+(layout, dp-size independence, resume), the front-end's checks before megatron-core's builder, the mock corpus."""
 
 import argparse
 
@@ -8,10 +9,14 @@ import torch
 
 from megatron.training.data_loader import (
     MegatronPretrainingSampler,
+    MockCorpus,
     build_train_valid_test_data_iterators,
+    build_train_valid_test_datasets,
+    check_dataset_files,
+    data_prefixes,
 )
-from megatron.training.datasets.builder import build_train_valid_test_datasets
-from megatron.training.datasets.indexed_dataset import IndexedDatasetBuilder
+from megatron.training.errors import UsageValueError
+from megatron.training.indexed_writer import IndexedDatasetBuilder
 from megatron.training.tokenizer import build_tokenizer
 
 MBS, GBS, SEQ = 2, 8, 12
@@ -22,6 +27,7 @@ def make_args(**overrides):
         mock_data=True, data_path=None, split="969,30,1", seq_length=SEQ, micro_batch_size=MBS,
         global_batch_size=GBS, train_iters=6, eval_iters=2, eval_interval=3, seed=1234, vocab_size=50,
         tokenizer_type="NullTokenizer", tokenizer_model=None, eod_mask_loss=False, num_workers=0,
+        data_cache_path=None,
     )
     args.update(overrides)
     return argparse.Namespace(**args)
@@ -163,3 +169,85 @@ def test_token_ids_beyond_the_tokenizer_are_named(tmp_path):
     train, _, _ = build_train_valid_test_data_iterators(
         make_args(mock_data=False, data_path=[prefix], vocab_size=100), 0, 1)
     assert next(train)["tokens"].max() <= 100
+
+
+def write_docs(prefix, documents, dtype=np.uint16):
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype)
+    for doc in documents:
+        builder.add_item(doc)
+        builder.end_document()
+    builder.finalize(str(prefix) + ".idx")
+    return str(prefix)
+
+
+def test_a_split_without_documents_stops_before_megatron_cores_builder(tmp_path):
+    """50 documents with --split 969,30,1 leave the test split none: megatron-core's builder would add empty
+    epochs forever; the front-end drops that split (single dataset) or names --split (train, or a blend member)."""
+    rng = np.random.default_rng(0)
+    a = write_docs(tmp_path / "a", [rng.integers(0, 50, size=8).tolist() + [50] for _ in range(50)])
+    b = write_docs(tmp_path / "b", [rng.integers(0, 50, size=8).tolist() + [50] for _ in range(500)])
+    train, valid, test = build_train_valid_test_data_iterators(make_args(mock_data=False, data_path=[a]), 0, 1)
+    assert train is not None and valid is not None and test is None
+    assert len(list(train)) == 6 * GBS // MBS
+    with pytest.raises(UsageValueError, match=r"--split 969,30,1 leaves the test split of --data-path .*a without "
+                                              r"tokens \(documents \[50, 50\) of 50\)"):
+        build_train_valid_test_data_iterators(make_args(mock_data=False, data_path=["1", a, "1", b]), 0, 1)
+    with pytest.raises(UsageValueError, match="--split 1,999,0 leaves the train split of --data-path .* without "
+                                              "documents"):
+        build_train_valid_test_data_iterators(make_args(mock_data=False, data_path=[a], split="1,999,0"), 0, 1)
+
+
+def test_data_path_checks_name_the_file(tmp_path):
+    prefix = write_docs(tmp_path / "t", [[1, 2, 3], [4, 5, 6, 7], [8]])
+    assert len(check_dataset_files(prefix)) == 3  # megatron-core's IndexedDataset
+    with pytest.raises(FileNotFoundError, match=r"--data-path .*nope: missing .*nope\.bin"):
+        check_dataset_files(str(tmp_path / "nope"))
+    data = (tmp_path / "t.bin").read_bytes()
+    (tmp_path / "t.bin").write_bytes(data[:-1])
+    with pytest.raises(ValueError, match=r"t\.bin is truncated or corrupt: it holds 15 bytes, 16 are needed for "
+                                         r"sequence 2"):
+        check_dataset_files(prefix)
+    (tmp_path / "t.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"t\.bin is truncated or corrupt: it holds 0 bytes, 16 are needed"):
+        check_dataset_files(prefix)
+    (tmp_path / "t.bin").write_bytes(data)
+    index = (tmp_path / "t.idx").read_bytes()
+    for cut in (index[:-8], index[:20], b"NOTMMID" + bytes(40)):
+        (tmp_path / "t.idx").write_bytes(cut)
+        with pytest.raises(ValueError, match=r"t\.idx is truncated or corrupt: megatron-core's IndexedDataset cannot"):
+            check_dataset_files(prefix)
+    with pytest.raises(UsageValueError, match="mixes numbers and prefixes"):
+        data_prefixes(make_args(mock_data=False, data_path=["0.3", "a", "b"]))
+    assert data_prefixes(make_args(mock_data=False, data_path=["0.3", "a", "0.9", "b"])) == ["a", "b"]
+
+
+def test_mock_documents_are_deterministic_progressions():
+    a, b = MockCorpus(97, 97, seq_length=16, num_documents=200), MockCorpus(97, 97, seq_length=16, num_documents=200)
+    assert a.sequence_lengths.dtype == np.int32  # what megatron-core's GPTDataset requires
+    for d in range(200):
+        doc = a.get(d)
+        assert doc.tolist() == b.get(d).tolist()
+        assert 8 <= len(doc) <= 32 and doc[-1] == 97 and len(doc) == a.sequence_lengths[d]
+        body = doc[:-1]
+        assert body.min() >= 0 and body.max() < 97
+        if len(body) >= 2:
+            steps = np.unique((body[1:] - body[:-1]) % 97)
+            assert len(steps) == 1 and 1 <= steps[0] <= 3
+        assert a.get(d, 1, 3).tolist() == doc[1:4].tolist()
+
+
+def test_mock_data_honours_split_and_seed():
+    """--mock-data goes through megatron-core's MockGPTDataset with this project's corpus and --split."""
+    args = make_args(vocab_size=64, seq_length=16)
+    tok = build_tokenizer(args)
+    train, valid, test = build_train_valid_test_datasets(args, tok)
+    assert type(train).__mro__[1].__name__ == "MockGPTDataset"
+    assert (train.indices.min(), train.indices.max()) == (0, 96899)  # 969/1000 of 100,000 documents
+    assert (valid.indices.min(), valid.indices.max()) == (96900, 99899) and test.indices.min() == 99900
+    again, _, _ = build_train_valid_test_datasets(args, tok)
+    other, _, _ = build_train_valid_test_datasets(make_args(vocab_size=64, seq_length=16, seed=5), tok)
+    for i in range(10):
+        s = train[i]
+        assert int(s["tokens"].max()) <= 64 and int(s["tokens"].min()) >= 0
+        assert torch.equal(s["tokens"], again[i]["tokens"])
+    assert any(not torch.equal(train[i]["tokens"], other[i]["tokens"]) for i in range(10))

@@ -9,9 +9,16 @@ import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
 from megatron.training.logging_utils import format_tflops, training_log_line, validation_log_lines
-from megatron.training.model_setup import ddp_config_from_args
 from tests import ROOT
 from tests.unit.test_without_megatron_core import blocked_env
+
+
+def ddp_config_from_args(args):
+    """model_setup's (imported here, not at the top: test_model_provider_without_megatron_core imports this module
+    where megatron-core is blocked, and model_setup imports megatron-core's scheduler)."""
+    from megatron.training.model_setup import ddp_config_from_args as from_args
+
+    return from_args(args)
 
 BASE = ["--mock-data", "--vocab-size", "64"]
 
@@ -23,7 +30,10 @@ def args_for(*flags: str, world_size: int = 2):
 def test_derived_values():
     args = args_for("--micro-batch-size", "2", "--global-batch-size", "16", "--hidden-size", "48",
                     "--seq-length", "40", world_size=4)
-    assert args.num_microbatches == 2 and args.data_parallel_size == 4
+    assert args.data_parallel_size == 4
+    from megatron.training.config import init_num_microbatches  # megatron-core's (see ddp_config_from_args)
+
+    assert init_num_microbatches(args) == 2  # megatron-core's calculator: 16 / (2 x 4)
     assert args.ffn_hidden_size == 192 and args.max_position_embeddings == 40 and args.lr_decay_iters == 20
     assert args_for("--micro-batch-size", "3").global_batch_size == 6  # default: one micro-batch per rank
 
@@ -76,6 +86,8 @@ def test_rejections(flags, message):
     (["--eval-interval", "0"], "--eval-interval must be positive, got 0"),
     (["--lr-warmup-iters", "-2"], "--lr-warmup-iters must be >= 0"),
     (["--lr-warmup-iters", "20"], "--lr-warmup-iters (20) must be < --lr-decay-iters (20"),
+    (["--lr-warmup-iters", "20", "--lr-decay-style", "constant"],
+     "--lr-warmup-iters (20) must be < --lr-decay-iters (20, default --train-iters), for every --lr-decay-style"),
     (["--lr-decay-iters", "0"], "--lr-decay-iters must be positive"),
     (["--exit-interval", "0"], "--exit-interval must be positive"),
     (["--num-workers", "-1"], "--num-workers must be >= 0"),
@@ -95,7 +107,7 @@ def test_numeric_and_range_rejections(flags, message):
 
 def test_accepted_edges():
     args = args_for("--clip-grad", "0", "--lr", "0", "--min-lr", "0", "--attention-dropout", "0",
-                    "--lr-warmup-iters", "30", "--lr-decay-style", "constant", "--eval-iters", "0")
+                    "--lr-warmup-iters", "19", "--lr-decay-style", "constant", "--eval-iters", "0")
     assert args.clip_grad == 0 and args.lr == 0
     fsdp = args_for("--use-megatron-fsdp", "--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim")
     assert ddp_config_from_args(fsdp).use_distributed_optimizer

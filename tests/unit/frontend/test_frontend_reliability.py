@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.arguments import parse_args
-from megatron.training.datasets.indexed_dataset import IndexedDatasetBuilder
+from megatron.training.indexed_writer import IndexedDatasetBuilder
 from tests import ROOT
 from tests.distributed.harness import error_on_every_rank, free_port, spawn_and_collect
 

@@ -17,13 +17,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from megatron.training import trainer
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.backends import DataParallelBackend, DDPBackend, FSDPBackend
-from megatron.training.config import FrozenArgs, RunState, TrainingConfig, freeze_args
+from megatron.training.config import FrozenArgs, RunState, TrainingConfig, freeze_args, init_num_microbatches
 from megatron.training.gpt_model import GPTConfig, GPTModel
 from megatron.training.model_setup import build_adamw
-from megatron.training.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.parallel_state import ParallelLayout
 from megatron.training.trainer import Trainer
 from megatron_fsdp.parallel import ContextParallel, TensorParallel
+from tests.unit.frontend.test_frontend_model import scheduler_for
 
 FLAGS = ["--mock-data", "--vocab-size", "50", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads",
          "2", "--seq-length", "8", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
@@ -40,6 +40,7 @@ def one_rank():
 
 def test_config_is_derived_once_from_the_validated_flags():
     args = validate_args(parse_args(FLAGS + ["--eval-interval", "2", "--no-check-for-nan-in-loss-and-grad"]), 1)
+    assert init_num_microbatches(args) == 2  # megatron-core's calculator: 4 / (2 x 1)
     config = TrainingConfig.from_args(args)
     assert (config.train_iters, config.global_batch_size, config.num_microbatches) == (3, 4, 2)
     assert (config.clip_grad, config.eval_interval, config.check_for_nan) == (0.5, 2, False)
@@ -102,6 +103,7 @@ def _forward_step(batch: dict, model: torch.nn.Module):
 def test_trainer_drives_any_backend_and_trains_like_a_plain_loop(one_rank, monkeypatch):
     args = validate_args(parse_args(FLAGS), 1)
     args.padded_vocab_size = 50  # what pretrain derives from the tokenizer
+    args.num_microbatches = init_num_microbatches(args)
     args = freeze_args(args)
     config = TrainingConfig.from_args(args)
     torch.manual_seed(0)
@@ -117,8 +119,8 @@ def test_trainer_drives_any_backend_and_trains_like_a_plain_loop(one_rank, monke
 
     backend = RecordingBackend(model)
     optimizer = build_adamw(args, model)
-    scheduler = OptimizerParamScheduler(optimizer, max_lr=args.lr, min_lr=0.0, warmup_steps=0, decay_steps=3,
-                                        decay_style="constant")
+    scheduler = scheduler_for(optimizer, max_lr=args.lr, min_lr=0.0, warmup_steps=0, decay_steps=3,
+                              decay_style="constant", weight_decay=args.weight_decay)
     state = RunState()
     # The loop's host reads of device values (each is a CPU/GPU sync on CUDA; the optimizer's own are not counted).
     reads = {"item": 0, "tolist": 0}

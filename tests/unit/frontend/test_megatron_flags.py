@@ -18,8 +18,8 @@ from megatron.training.arguments import ArgumentError, build_parser, parse_args,
 from megatron.training.gpt_model import GPTConfig, GPTModel
 from megatron.training.logging_utils import training_log_line, validation_log_lines
 from megatron.training.megatron_flags import FLAG_STATUS, moe_freq_type, require_mcore_model_for
-from megatron.training.optimizer_param_scheduler import OptimizerParamScheduler
 from tests.functional.megatron_lm_configs import MCORE_ONLY, MEGATRON_LM, cpu_scaled, megatron_argv
+from tests.unit.frontend.test_frontend_model import scheduler_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BASE = ["--mock-data", "--vocab-size", "60"]
@@ -240,12 +240,11 @@ def test_moe_layer_freq_reads_megatrons_expressions():
 
 def _lrs(style: str, steps: int, **kw) -> list[float]:
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = OptimizerParamScheduler(opt, max_lr=1.0, min_lr=0.1, warmup_steps=2, decay_steps=10,
-                                    decay_style=style, **kw)
+    sched = scheduler_for(opt, max_lr=1.0, min_lr=0.1, warmup_steps=2, decay_steps=10, decay_style=style, **kw)
     out = []
     for _ in range(steps):
         out.append(opt.param_groups[0]["lr"])
-        sched.step()
+        sched.step(increment=1)
     return out
 
 

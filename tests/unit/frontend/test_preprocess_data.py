@@ -1,4 +1,5 @@
-"""tools/preprocess_data.py end to end: JSONL in, Megatron-named .bin/.idx out, read back."""
+"""tools/preprocess_data.py end to end: JSONL in, Megatron-named .bin/.idx out, read back by megatron-core's
+``IndexedDataset`` (the tool keeps a light writer of its own: megatron/training/indexed_writer.py)."""
 
 import json
 import os
@@ -8,8 +9,8 @@ import sys
 
 import numpy as np
 import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron.training.datasets.indexed_dataset import IndexedDataset
 from tests import ROOT
 
 TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")
@@ -42,7 +43,7 @@ def test_byte_tokenizer_end_to_end(tmp_path, corpus):
     text = IndexedDataset(str(out) + "_text_document")
     expected = [list(t.encode("utf-8")) + [256] for t in TEXTS if t]
     assert [text[i].tolist() for i in range(len(text))] == expected
-    assert text.dtype == np.uint16
+    assert text.index.dtype == np.uint16
     # the empty document adds a boundary but no sequence, as Megatron's builder does
     assert text.document_indices.tolist() == [0, 1, 1, 2, 3, 4]
     title = IndexedDataset(str(out) + "_title_document")
