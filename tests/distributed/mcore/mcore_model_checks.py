@@ -1324,3 +1324,97 @@ def megatron_core_checkpoint_resumes_at_twice_the_data_parallel_size() -> None:
     finally:
         parallel_state.destroy_model_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
+
+
+# --init-model-with-meta-device (megatron/training/mcore_meta_init.py): megatron-core's GPTModel built on the meta
+# device, sharded by our engine, each shard materialised by megatron-core's own initialisation replayed module by
+# module. Bitwise equal to the eager build (same seed, same machine): the initial full weights, then every loss and
+# parameter after the same steps. Layouts per world size: (what, flags, TP mesh, EP mesh). MoE layers cover the
+# router, the experts (is_expert layers over the expert TP group) and the shared experts; MLA multi-latent attention
+# (whose eager build draws a discarded linear_proj first); TP2 the column/row/vocab-parallel slices.
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear"]
+META_LAYOUTS = {
+    2: (("dense, tied embeddings", [], False, False),
+        ("untied, RoPE, SwiGLU, RMSNorm, QK norm",
+         ["--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--swiglu", "--normalization",
+          "RMSNorm", "--qk-layernorm"], False, False),
+        ("MoE EP2, shared experts, expert bias", [*MOE, "--expert-model-parallel-size", "2",
+                                                 "--moe-shared-expert-intermediate-size", "16",
+                                                 "--moe-router-enable-expert-bias", "--moe-router-score-function",
+                                                 "sigmoid"], False, True),
+        ("MLA", ["--multi-latent-attention", "--q-lora-rank", "8", "--kv-lora-rank", "8", "--qk-head-dim", "4",
+                 "--qk-pos-emb-head-dim", "4", "--v-head-dim", "4"], False, False)),
+    4: (("TP2, tied embeddings", ["--tensor-model-parallel-size", "2"], True, False),
+        ("TP2 + SP, untied, MoE EP2", [*MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                       "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                                       "--untie-embeddings-and-output-weights"], True, True)),
+}
+
+
+def build_on_meta(args):
+    """megatron-core's GPTModel as ``build`` makes it, under ``torch.device("meta")`` (pretrain's
+    --init-model-with-meta-device): no storage, each module given its initialiser (mcore_meta_init.py)."""
+    torch.manual_seed(args.seed)
+    with torch.device("meta"):
+        return mcore_gpt_model(args)
+
+
+@check(SUITE)
+def meta_device_build_equals_the_eager_build_bitwise() -> None:
+    """megatron-core's GPTModel built on the meta device and materialised by our engine == the eager build: initial
+    weights, then every loss and parameter after AdamW steps, bitwise, in each layout of ``META_LAYOUTS``; a module
+    whose initialisation the front-end does not replay stops the build naming it and the flag."""
+    from megatron.training.errors import UsageError
+    from megatron.training.mcore_meta_init import bind_initializers
+    from megatron_fsdp.parallel import TensorParallel, allreduce_sequence_parallel_grads
+
+    world = dist.get_world_size()
+    for what, flags, tp_mesh, ep_mesh in META_LAYOUTS[world]:
+        args = model_args(*flags, "--use-megatron-fsdp", "--init-model-with-meta-device")
+        try:
+            mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp")) if tp_mesh else None
+            expt_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "ep")) if ep_mesh else None
+            arms, after_sync = {}, None
+            for arm, builder in (("eager", build), ("meta", build_on_meta)):
+                module = builder(args)  # megatron-core's parallel_state laid out for args from here
+                if args.sequence_parallel:  # the loop's sum over TP of the sequence-parallel gradients
+                    tp = TensorParallel.from_group(parallel_state.get_tensor_model_parallel_group(),
+                                                   sequence_parallel=True)
+                    after_sync = functools.partial(_sum_sequence_parallel_grads, tp=tp,
+                                                   reduce=allreduce_sequence_parallel_grads)
+                assert all(p.is_meta for p in module.parameters()) == (arm == "meta"), f"{what}: {arm} build"
+                ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True,
+                                                           data_parallel_sharding_strategy="optim_grads_params")
+                wrapped = FullyShardedDataParallel(module.config, ddp_config, module, device_mesh=mesh,
+                                                   expt_device_mesh=expt_mesh)
+                initial = _full_form(wrapped.module.module)
+                arms[arm] = initial, train_wrapped(wrapped, after_sync)
+            _assert_same_full_form(f"{what}: initial weights, meta vs eager", arms["meta"][0], arms["eager"][0])
+            (params, losses), (ref_params, ref_losses) = arms["meta"][1], arms["eager"][1]
+            assert losses == ref_losses, f"{what}: losses {losses} vs eager {ref_losses}"
+            _assert_same_full_form(f"{what}: after {STEPS} steps", params, ref_params)
+        finally:
+            parallel_state.destroy_model_parallel()
+            initialize_mcore_parallel(model_args(), seed=1)
+    if world == 2:  # what the front-end cannot initialise stops the build, naming the module and the flag
+        model = build_on_meta(model_args())
+        model.decoder.extra = torch.nn.Linear(2, 2, device="meta")
+        expect = ("--init-model-with-meta-device", "Linear", "decoder.extra")
+        _expect_usage_error(UsageError, expect, bind_initializers, model)
+        del model.decoder.extra
+        mlp = model.decoder.layers[0].mlp
+        mlp.gate_weight = torch.nn.Parameter(torch.empty(1, 16, device="meta"))  # as the shared experts' gate
+        _expect_usage_error(UsageError, ("decoder.layers.0.mlp", "beside its children's"), bind_initializers, model)
+
+
+def _sum_sequence_parallel_grads(model, tp, reduce) -> None:
+    reduce(model.parameters(), tp)
+
+
+def _expect_usage_error(exc: type[Exception], fragments: tuple[str, ...], fn, *args) -> None:
+    try:
+        fn(*args)
+    except exc as error:
+        assert all(part in str(error) for part in fragments), (fragments, str(error))
+    else:
+        raise AssertionError(f"{fn.__name__}: no {exc.__name__} raised (expected one naming {fragments})")
