@@ -174,6 +174,11 @@ def bind_initializers(model: nn.Module) -> int:
     of modules bound. Raises ``UsageError`` naming ``--init-model-with-meta-device`` and the module where it
     cannot."""
     config = model.config
+    if not config.use_cpu_initialization:  # set on CPU by transformer_config_from_args; on CUDA by the flag
+        raise UsageError(f"{FLAG} on megatron-core's model needs --use-cpu-initialization on CUDA: without it "
+                         "megatron-core allocates and initialises its tensor-parallel weights on the CUDA device "
+                         "(_initialize_affine_weight_gpu), not on the meta device, and that initialisation is not "
+                         "replayed here")
     if not config.perform_initialization:
         raise UsageError(f"{FLAG} with perform_initialization off: megatron-core leaves its weights uninitialised "
                          "memory, which no materialisation reproduces")

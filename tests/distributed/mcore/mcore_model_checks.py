@@ -1412,6 +1412,9 @@ def meta_device_build_equals_the_eager_build_bitwise() -> None:
         mlp = model.decoder.layers[0].mlp
         mlp.gate_weight = torch.nn.Parameter(torch.empty(1, 16, device="meta"))  # as the shared experts' gate
         _expect_usage_error(UsageError, ("decoder.layers.0.mlp", "beside its children's"), bind_initializers, model)
+        del mlp.gate_weight
+        model.config.use_cpu_initialization = False  # megatron-core's GPU initialisation (CUDA without the flag)
+        _expect_usage_error(UsageError, ("needs --use-cpu-initialization",), bind_initializers, model)
 
 
 def _sum_sequence_parallel_grads(model, tp, reduce) -> None:
