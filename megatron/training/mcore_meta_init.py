@@ -20,7 +20,8 @@ TP rank. The modules' pre-order is their construction order (each module's param
 its own constructor, before the next module is built), so the materialised weights are bitwise the
 eager build's for the same ``--seed``: the default generator stands at the state megatron-core's
 constructors started from (``model_parallel_cuda_manual_seed`` reseeds it in the model provider, and
-nothing draws from it between the meta build and the wrap, where the engine materialises).
+nothing draws from it between the meta build and the wrap, where the engine materialises). Each value is
+then rounded to the dtype of its meta-built parameter, as the eager weights were (``--bf16``).
 
 A module type this file does not know, or a module whose own parameters its constructor
 initialises after its children's (megatron-core's shared-expert gate), stops the build with a
@@ -134,6 +135,20 @@ def _router(module: TopKRouter) -> None:
             buffer.zero_()
 
 
+def _in_model_dtype(module: nn.Module, built: dict[str, nn.Parameter], init: Callable[[], None]) -> None:
+    """``init()``, then each parameter rounded to the dtype of the meta-built parameter ``built`` at that moment.
+
+    The engine's temporaries are in its main-weight dtype: fp32 under ``--bf16`` (preserve_fp32_weights), where
+    the eager build's weights are bf16 (megatron-core's ``params_dtype``, then the front-end's ``model.to``) and
+    its fp32 main weights are their widening; the meta-built parameters were cast alike, so their dtype says
+    what the eager weights were rounded to."""
+    init()
+    for name, param in built.items():
+        value = getattr(module, name)
+        if value.is_floating_point() and value.dtype != param.dtype:
+            value.copy_(value.to(param.dtype))
+
+
 def _unknown(fqn: str, module: nn.Module, why: str) -> UsageError:
     names = [name for name, _ in module.named_parameters(recurse=False)]
     return UsageError(
@@ -194,7 +209,8 @@ def bind_initializers(model: nn.Module) -> int:
                            "initialises after the children's")
         init = _initializer(fqn, module, parents.get(id(module)), config)
         if init is not None:
-            module.reset_parameters = init
+            module.reset_parameters = functools.partial(
+                _in_model_dtype, module, dict(module.named_parameters(recurse=False)), init)
             bound += 1
     return bound
 

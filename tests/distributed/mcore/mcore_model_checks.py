@@ -395,7 +395,7 @@ def _pretrain(argv: list[str]):
 def pretrain_gpt_trains_and_resumes_megatron_core_model() -> None:
     """pretrain_gpt.py builds megatron-core's model by default, trains, and resumes an fsdp_dtensor checkpoint
     bitwise (dropout on: megatron-core's RNG tracker states travel in the checkpoint); with
-    --init-model-with-meta-device it trains bitwise as the eager build."""
+    --init-model-with-meta-device it trains bitwise as the eager build (fp32, and bf16)."""
     root = tempfile.mkdtemp() if dist.get_rank() == 0 else None
     holder = [root]
     dist.broadcast_object_list(holder)
@@ -418,6 +418,9 @@ def pretrain_gpt_trains_and_resumes_megatron_core_model() -> None:
     meta, log = _pretrain([*common, "--init-model-with-meta-device"])
     assert "building megatron-core GPTModel" in log or dist.get_rank() != 0, log[:2000]
     assert meta.losses == full.losses, (meta.losses, full.losses)
+    bf16 = [*common[:-2], "--train-iters", "3", "--bf16"]  # bf16 weights: megatron-core's casts replayed too
+    eager_bf16, meta_bf16 = _pretrain(bf16)[0], _pretrain([*bf16, "--init-model-with-meta-device"])[0]
+    assert meta_bf16.losses == eager_bf16.losses, (meta_bf16.losses, eager_bf16.losses)
     gpt, log = _pretrain([*common[:-2], "--train-iters", "2", "--model-provider", "gpt"])
     assert "building the project's own GPT" in log or dist.get_rank() != 0, log[:2000]
 
