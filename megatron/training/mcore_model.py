@@ -92,9 +92,6 @@ def mcore_blockers(args: argparse.Namespace) -> list[str]:
         elif not args.swiglu and _arg(args, "bias_gelu_fusion", True):
             blockers.append("--num-experts with GeLU experts: megatron-core fuses the bias-GeLU only without the "
                             "router's per-token probabilities (pass --no-bias-gelu-fusion: the same numbers, unfused)")
-    if args.init_model_with_meta_device:
-        blockers.append("--init-model-with-meta-device: megatron-core's layers initialise their weights at "
-                        "construction (no reset_parameters to run after sharding)")
     return blockers
 
 
@@ -265,13 +262,18 @@ def mcore_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_pro
 
     initialize_mcore_parallel(args, args.seed)
     config = transformer_config_from_args(args)
-    return GPTModel(
+    model = GPTModel(
         config=config, transformer_layer_spec=_layer_spec(args, config), vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=_arg(args, "rotary_percent", 1.0),
         rotary_base=args.rotary_base, rope_scaling=_arg(args, "use_rope_scaling", False),
     )
+    if any(p.is_meta for p in model.parameters()):  # --init-model-with-meta-device: built under torch.device("meta")
+        from .mcore_meta_init import bind_initializers
+
+        bind_initializers(model)  # the engine's materialize_meta then gives each shard the eager build's values
+    return model
 
 
 def describe_mcore_model(config) -> str:

@@ -10,12 +10,17 @@ initialises it one module at a time:
    as eager initialisation would: with the same seed, meta-init gives
    bitwise the same weights as eager init (on the same device);
 2. the module's own parameters get temporary full tensors on the device and
-   are initialised by ``init_fn(module)`` or ``module.reset_parameters()``;
+   are initialised by ``init_fn(module)`` or ``module.reset_parameters()`` (an
+   instance attribute of that name counts: a caller can give a module whose
+   class has none its own initialiser);
 3. each full tensor is broadcast from data-parallel rank 0 (and, for a
    torch-native tensor-parallel parameter, then from TP rank 0), so every
    rank's shard is a slice of one and the same initialisation whatever the
    ranks' random states (TP-replicated norms stay identical across TP);
 4. this rank's rows are copied into its shard and the full tensors dropped.
+
+The temporaries start as NaN, and an element the initialiser left unwritten stops
+materialisation with an error naming the parameter (never a silent NaN or stale value).
 
 Peak memory is the sharded model plus one module's full parameters. A tied
 parameter keeps the value its first owner gave it (eager tying happens after
@@ -133,6 +138,22 @@ def materialize_meta(root: nn.Module, init_fn: Callable[[nn.Module], None] | Non
         group.mark_compute_stale()
 
 
+def _check_written(module: nn.Module, fqn: str, full: torch.Tensor) -> None:
+    """Raise where ``module``'s initialiser left elements of the temporary ``full`` (of parameter ``fqn``) unwritten
+    (still the NaN they were filled with): an initialiser that skips a parameter, writes only part of it, or
+    rebinds ``param.data`` instead of writing into it would otherwise train on NaN. Every rank runs the same
+    initialiser, so all raise alike."""
+    if not full.is_floating_point():
+        return
+    unwritten = int(torch.isnan(full).sum())
+    if unwritten:
+        raise ValueError(
+            f"meta-device parameter '{fqn}': the initialiser of {type(module).__name__} (its reset_parameters(), "
+            f"or init_fn) left {unwritten} of its {full.numel()} elements unwritten (NaN); it must write every "
+            "element of each parameter in place"
+        )
+
+
 def _materialize_module(module, own, init_fn, done, uninitialised) -> None:
     """Initialise ``module``'s parameters on temporary full tensors; keep those still ``uninitialised``.
 
@@ -142,15 +163,21 @@ def _materialize_module(module, own, init_fn, done, uninitialised) -> None:
     fulls = []
     for name, group, index in own:
         full = torch.empty(group.params[index].global_shape, dtype=group.dtype, device=group.device)
+        if full.is_floating_point():
+            full.fill_(float("nan"))  # what the initialiser leaves unwritten stays NaN: caught below
         module._parameters[name] = nn.Parameter(full, requires_grad=group.refs[index].param.requires_grad)
         fulls.append(full)
     try:
         with torch.no_grad():
-            (init_fn or type(module).reset_parameters)(module)
+            if init_fn is not None:
+                init_fn(module)
+            else:  # the instance's own where it has one, else its class's
+                module.reset_parameters()
             for (_, group, index), full in zip(own, fulls):
                 key = (id(group), index)
                 if key in done or key not in uninitialised:
                     continue  # tied: the first owner's value stands, as in eager tying
+                _check_written(module, group.refs[index].fqn, full)
                 _broadcast_from_dp_rank0(full, group)
                 spec = group.refs[index].tp
                 if spec is not None:  # the global value: the same on every TP rank, which keeps its slice

@@ -164,3 +164,47 @@ def meta_init_of_buffers() -> None:
         broken = build(has_reset=False)
     fully_shard(broken)
     expect_error(ValueError, "meta-device buffers ['scale'] of Scale", materialize_meta, broken)
+
+
+class Bare(nn.Module):
+    """A module whose class has no ``reset_parameters`` (as megatron-core's tensor-parallel layers): its caller
+    binds one to the instance."""
+
+    def __init__(self, rows: int = 5, cols: int = 3) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, cols))
+        self.bias = nn.Parameter(torch.empty(rows))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t() + self.bias
+
+
+@check(SUITE, world_sizes=(2,))
+def meta_init_runs_an_instance_reset_and_names_what_it_left_unwritten() -> None:
+    """An instance's own ``reset_parameters`` (bound per module, its class having none) initialises it; one that
+    leaves a parameter, or part of it, unwritten (or rebinds ``.data``) stops materialisation naming it."""
+
+    def full_init(module: Bare) -> None:
+        nn.init.normal_(module.weight)
+        module.bias.zero_()
+
+    def build(reset) -> nn.Sequential:
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(3, 3), Bare())
+        model[1].reset_parameters = lambda: reset(model[1])
+        fully_shard(model[1])
+        return fully_shard(model)
+
+    model = build(full_init)
+    torch.manual_seed(5)
+    materialize_meta(model)
+    torch.manual_seed(5)
+    eager = nn.Sequential(nn.Linear(3, 3), Bare())
+    with torch.no_grad():
+        full_init(eager[1])
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.equal(p.full_tensor(), q), name
+    for reset, what in ((lambda m: nn.init.normal_(m.weight), "'bias'"),  # the bias skipped
+                        (lambda m: (nn.init.normal_(m.weight[:2]), m.bias.zero_()), "'weight'"),  # part of it
+                        (lambda m: (setattr(m.weight, "data", torch.randn(5, 3)), m.bias.zero_()), "'weight'")):
+        expect_error(ValueError, (what, "Bare", "unwritten"), materialize_meta, build(reset))

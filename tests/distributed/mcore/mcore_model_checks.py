@@ -394,7 +394,8 @@ def _pretrain(argv: list[str]):
 @check(SUITE, world_sizes=(2,))
 def pretrain_gpt_trains_and_resumes_megatron_core_model() -> None:
     """pretrain_gpt.py builds megatron-core's model by default, trains, and resumes an fsdp_dtensor checkpoint
-    bitwise (dropout on: megatron-core's RNG tracker states travel in the checkpoint)."""
+    bitwise (dropout on: megatron-core's RNG tracker states travel in the checkpoint); with
+    --init-model-with-meta-device it trains bitwise as the eager build (fp32, and bf16)."""
     root = tempfile.mkdtemp() if dist.get_rank() == 0 else None
     holder = [root]
     dist.broadcast_object_list(holder)
@@ -412,6 +413,14 @@ def pretrain_gpt_trains_and_resumes_megatron_core_model() -> None:
     resumed, _ = _pretrain([*common, "--load", os.path.join(root, "ckpt")])
     for it in (4, 5, 6):
         assert resumed.losses[it] == full.losses[it], (it, resumed.losses, full.losses)
+    # built on the meta device and materialised by the engine (mcore_meta_init.py): every loss bitwise the eager
+    # build's, dropout on (materialisation leaves the CPU generator where megatron-core's constructors left it)
+    meta, log = _pretrain([*common, "--init-model-with-meta-device"])
+    assert "building megatron-core GPTModel" in log or dist.get_rank() != 0, log[:2000]
+    assert meta.losses == full.losses, (meta.losses, full.losses)
+    bf16 = [*common[:-2], "--train-iters", "3", "--bf16"]  # bf16 weights: megatron-core's casts replayed too
+    eager_bf16, meta_bf16 = _pretrain(bf16)[0], _pretrain([*bf16, "--init-model-with-meta-device"])[0]
+    assert meta_bf16.losses == eager_bf16.losses, (meta_bf16.losses, eager_bf16.losses)
     gpt, log = _pretrain([*common[:-2], "--train-iters", "2", "--model-provider", "gpt"])
     assert "building the project's own GPT" in log or dist.get_rank() != 0, log[:2000]
 
@@ -474,8 +483,7 @@ def model_choice_names_the_cause() -> None:
     auto = args_for()
     assert auto.model_provider == "mcore" and "megatron-core 0.16.1 is installed" in auto.model_provider_reason
     assert args_for("--context-parallel-size", "2").model_provider == "mcore", "CP: mcore_cp_attention.py"
-    for flags, cause in ((["--num-experts", "2"], "--num-experts"),
-                         (["--use-megatron-fsdp", "--init-model-with-meta-device"], "--init-model-with-meta-device")):
+    for flags, cause in ((["--num-experts", "2"], "--num-experts"),):
         fallback = args_for(*flags)
         assert fallback.model_provider == "gpt" and cause in fallback.model_provider_reason, vars(fallback)
         try:
@@ -487,6 +495,8 @@ def model_choice_names_the_cause() -> None:
     for flags in (["--num-experts", "2", "--no-bias-gelu-fusion"], ["--num-experts", "2", "--swiglu",
                                                                    "--disable-bias-linear"]):
         assert args_for(*flags).model_provider == "mcore", f"megatron-core's MoELayer runs {flags}"
+    meta = args_for("--use-megatron-fsdp", "--init-model-with-meta-device")  # mcore_meta_init.py initialises it
+    assert meta.model_provider == "mcore", vars(meta)
     for backend in ([], ["--use-megatron-fsdp"], ["--use-torch-fsdp2"]):  # []: plain DDP (CPUAutocastRewrap)
         assert args_for("--bf16", *backend).model_provider == "mcore", f"--bf16 with {backend} runs megatron-core"
     # megatron-core's MoELayer under TP: with --sequence-parallel, experts split over the expert TP group (Megatron's
@@ -1324,3 +1334,100 @@ def megatron_core_checkpoint_resumes_at_twice_the_data_parallel_size() -> None:
     finally:
         parallel_state.destroy_model_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
+
+
+# --init-model-with-meta-device (megatron/training/mcore_meta_init.py): megatron-core's GPTModel built on the meta
+# device, sharded by our engine, each shard materialised by megatron-core's own initialisation replayed module by
+# module. Bitwise equal to the eager build (same seed, same machine): the initial full weights, then every loss and
+# parameter after the same steps. Layouts per world size: (what, flags, TP mesh, EP mesh). MoE layers cover the
+# router, the experts (is_expert layers over the expert TP group) and the shared experts; MLA multi-latent attention
+# (whose eager build draws a discarded linear_proj first); TP2 the column/row/vocab-parallel slices.
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear"]
+META_LAYOUTS = {
+    2: (("dense, tied embeddings", [], False, False),
+        ("untied, RoPE, SwiGLU, RMSNorm, QK norm",
+         ["--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--swiglu", "--normalization",
+          "RMSNorm", "--qk-layernorm"], False, False),
+        ("MoE EP2, shared experts, expert bias", [*MOE, "--expert-model-parallel-size", "2",
+                                                 "--moe-shared-expert-intermediate-size", "16",
+                                                 "--moe-router-enable-expert-bias", "--moe-router-score-function",
+                                                 "sigmoid"], False, True),
+        ("MLA", ["--multi-latent-attention", "--q-lora-rank", "8", "--kv-lora-rank", "8", "--qk-head-dim", "4",
+                 "--qk-pos-emb-head-dim", "4", "--v-head-dim", "4"], False, False)),
+    4: (("TP2, tied embeddings", ["--tensor-model-parallel-size", "2"], True, False),
+        ("TP2 + SP, untied, MoE EP2", [*MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                       "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                                       "--untie-embeddings-and-output-weights"], True, True)),
+}
+
+
+def build_on_meta(args):
+    """megatron-core's GPTModel as ``build`` makes it, under ``torch.device("meta")`` (pretrain's
+    --init-model-with-meta-device): no storage, each module given its initialiser (mcore_meta_init.py)."""
+    torch.manual_seed(args.seed)
+    with torch.device("meta"):
+        return mcore_gpt_model(args)
+
+
+@check(SUITE)
+def meta_device_build_equals_the_eager_build_bitwise() -> None:
+    """megatron-core's GPTModel built on the meta device and materialised by our engine == the eager build: initial
+    weights, then every loss and parameter after AdamW steps, bitwise, in each layout of ``META_LAYOUTS``; a module
+    whose initialisation the front-end does not replay stops the build naming it and the flag."""
+    from megatron.training.errors import UsageError
+    from megatron.training.mcore_meta_init import bind_initializers
+    from megatron_fsdp.parallel import TensorParallel, allreduce_sequence_parallel_grads
+
+    world = dist.get_world_size()
+    for what, flags, tp_mesh, ep_mesh in META_LAYOUTS[world]:
+        args = model_args(*flags, "--use-megatron-fsdp", "--init-model-with-meta-device")
+        try:
+            mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp")) if tp_mesh else None
+            expt_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "ep")) if ep_mesh else None
+            arms, after_sync = {}, None
+            for arm, builder in (("eager", build), ("meta", build_on_meta)):
+                module = builder(args)  # megatron-core's parallel_state laid out for args from here
+                if args.sequence_parallel:  # the loop's sum over TP of the sequence-parallel gradients
+                    tp = TensorParallel.from_group(parallel_state.get_tensor_model_parallel_group(),
+                                                   sequence_parallel=True)
+                    after_sync = functools.partial(_sum_sequence_parallel_grads, tp=tp,
+                                                   reduce=allreduce_sequence_parallel_grads)
+                assert all(p.is_meta for p in module.parameters()) == (arm == "meta"), f"{what}: {arm} build"
+                ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True,
+                                                           data_parallel_sharding_strategy="optim_grads_params")
+                wrapped = FullyShardedDataParallel(module.config, ddp_config, module, device_mesh=mesh,
+                                                   expt_device_mesh=expt_mesh)
+                initial = _full_form(wrapped.module.module)
+                arms[arm] = initial, train_wrapped(wrapped, after_sync)
+            _assert_same_full_form(f"{what}: initial weights, meta vs eager", arms["meta"][0], arms["eager"][0])
+            (params, losses), (ref_params, ref_losses) = arms["meta"][1], arms["eager"][1]
+            assert losses == ref_losses, f"{what}: losses {losses} vs eager {ref_losses}"
+            _assert_same_full_form(f"{what}: after {STEPS} steps", params, ref_params)
+        finally:
+            parallel_state.destroy_model_parallel()
+            initialize_mcore_parallel(model_args(), seed=1)
+    if world == 2:  # what the front-end cannot initialise stops the build, naming the module and the flag
+        model = build_on_meta(model_args())
+        model.decoder.extra = torch.nn.Linear(2, 2, device="meta")
+        expect = ("--init-model-with-meta-device", "Linear", "decoder.extra")
+        _expect_usage_error(UsageError, expect, bind_initializers, model)
+        del model.decoder.extra
+        mlp = model.decoder.layers[0].mlp
+        mlp.gate_weight = torch.nn.Parameter(torch.empty(1, 16, device="meta"))  # as the shared experts' gate
+        _expect_usage_error(UsageError, ("decoder.layers.0.mlp", "beside its children's"), bind_initializers, model)
+        del mlp.gate_weight
+        model.config.use_cpu_initialization = False  # megatron-core's GPU initialisation (CUDA without the flag)
+        _expect_usage_error(UsageError, ("needs --use-cpu-initialization",), bind_initializers, model)
+
+
+def _sum_sequence_parallel_grads(model, tp, reduce) -> None:
+    reduce(model.parameters(), tp)
+
+
+def _expect_usage_error(exc: type[Exception], fragments: tuple[str, ...], fn, *args) -> None:
+    try:
+        fn(*args)
+    except exc as error:
+        assert all(part in str(error) for part in fragments), (fragments, str(error))
+    else:
+        raise AssertionError(f"{fn.__name__}: no {exc.__name__} raised (expected one naming {fragments})")
