@@ -29,7 +29,7 @@ exchange with the attention of the chunk already received): the all-gather moves
 same ``(C - 1)/C`` of the sequence's K and V per layer but without overlap, holds the whole
 sequence's K and V on every rank, and computes scores for every query against all ``S``
 keys (the masked half included) instead of skipping fully masked chunk pairs. megatron-core's
-``cp_comm_type`` (Megatron-LM's ``--cp-comm-type``, not a flag of this front-end) is recorded and
+``cp_comm_type`` (Megatron-LM's ``--cp-comm-type``, a documented no-op here) is recorded and
 does not change what is computed here.
 
 Imported only where megatron-core is installed (``mcore_model._layer_spec``).

@@ -26,6 +26,7 @@ import sys
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -157,6 +158,9 @@ def transformer_config_from_args(args: argparse.Namespace):
         kw["activation_func"] = squared_relu
     # Megatron: --num-query-groups counts only with --group-query-attention.
     kw["num_query_groups"] = args.num_query_groups if args.group_query_attention else None
+    cp_comm_type = kw.get("cp_comm_type")
+    if isinstance(cp_comm_type, list) and len(cp_comm_type) == 1:  # Megatron's mapping: one type for every layer
+        kw["cp_comm_type"] = cp_comm_type[0]
     balancing = kw.get("moe_router_load_balancing_type")
     if isinstance(balancing, list) and len(balancing) == 1:  # Megatron's validate_args: one type is a string
         kw["moe_router_load_balancing_type"] = balancing[0]
@@ -244,7 +248,7 @@ def initialize_mcore_parallel(args: argparse.Namespace, seed: int) -> None:
             or parallel_state.get_context_parallel_world_size() != cp
             or parallel_state.get_expert_model_parallel_world_size() != ep
             or parallel_state.get_expert_tensor_parallel_world_size() != etp):
-        parallel_state.destroy_model_parallel()  # another job of this process laid out other groups
+        destroy_mcore_parallel()  # another job of this process laid out other groups
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=cp,
@@ -254,6 +258,32 @@ def initialize_mcore_parallel(args: argparse.Namespace, seed: int) -> None:
             expert_tensor_parallel_size=etp,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def destroy_mcore_parallel() -> None:
+    """megatron-core's ``destroy_model_parallel``, and the process groups it leaves alive.
+
+    ``destroy_model_parallel`` only forgets its groups: each gloo group keeps its worker
+    threads until ``dist.destroy_process_group``, so a process that lays out groups again
+    (a second job, a test of another TP/CP size) kept about 50 threads per layout (1,700
+    per rank after a test group's many layouts). Its groups are the ``ProcessGroup`` values
+    of ``parallel_state``'s module globals, alone or in lists; WORLD is left alone.
+    """
+    from megatron.core import parallel_state
+
+    groups: dict[int, dist.ProcessGroup] = {}
+    for name, value in vars(parallel_state).items():
+        if not name.startswith("_"):
+            continue
+        for group in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD:
+                groups[id(group)] = group
+    parallel_state.destroy_model_parallel()
+    for group in groups.values():
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:  # destroyed already (one group under two names), or not a group of this rank
+            pass
 
 
 def mcore_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True) -> nn.Module:

@@ -42,7 +42,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.data_loader import build_train_valid_test_data_iterators
 from megatron.training.global_vars import get_args
-from megatron.training.mcore_model import initialize_mcore_parallel, mcore_gpt_model, transformer_config_from_args
+from megatron.training.mcore_model import (
+    destroy_mcore_parallel,
+    initialize_mcore_parallel,
+    mcore_gpt_model,
+    transformer_config_from_args,
+)
 from megatron.training.model_setup import build_adamw, pad_vocab_size
 from megatron.training.rng_tracker import get_model_parallel_rng_tracker, model_parallel_manual_seed
 from megatron_fsdp import FSDPModule, microbatch
@@ -267,7 +272,7 @@ def tensor_parallel_2_equals_megatron_core_ddp() -> None:
         for strategy in STRATEGIES:
             assert_same(f"TP2 {strategy}", train_ours(args, strategy, mesh=mesh), reference)
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_mcore_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
 
 
@@ -583,7 +588,7 @@ def moe_expert_parallel_2_equals_megatron_core_ddp() -> None:
             wrapped = FullyShardedDataParallel(module.config, ddp_config, module, expt_device_mesh=expt_mesh)
             assert_same(f"EP2 {strategy}", train_wrapped(wrapped), reference)
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_mcore_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
 
 
@@ -673,7 +678,7 @@ def moe_expert_parallel_2_bf16_equals_megatron_core_ddp() -> None:
             assert dtypes == {torch.float32}, f"EP2 bf16 {strategy}: the parameters the optimizer steps are {dtypes}"
             assert_same_bf16(f"EP2 bf16 {strategy}", got, reference)
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_mcore_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
 
 
@@ -722,7 +727,7 @@ def moe_tensor_parallel_2_sequence_parallel_expert_parallel_2_equals_megatron_co
             got = train_wrapped(wrapped, after_sync=lambda m: allreduce_sequence_parallel_grads(m.parameters(), tp))
             assert_same(f"MoE TP2+SP EP2 {strategy}", got, reference)
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_mcore_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
 
 
@@ -783,9 +788,9 @@ def moe_expert_tensor_parallel_equals_megatron_core_ddp() -> None:
                 got = train_wrapped(wrapped,
                                     after_sync=lambda m, tp=tp: allreduce_sequence_parallel_grads(m.parameters(), tp))
                 assert_same(f"MoE {what} {strategy}", got, reference)
-            parallel_state.destroy_model_parallel()
+            destroy_mcore_parallel()
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_mcore_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
 
 
@@ -931,7 +936,7 @@ def pretrain_gpt_megatron_core_moe_equals_megatron_core_ddp(dispatcher: str) -> 
                 assert resumed.losses[it] == run.losses[it], (it, resumed.losses, run.losses)
                 assert resumed.moe_losses[it] == run.moe_losses[it], (it, resumed.moe_losses, run.moe_losses)
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_mcore_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
 
 
@@ -1241,7 +1246,7 @@ def megatron_core_checkpoints_resume_and_convert() -> None:
         _assert_same_full_form("--async-save's checkpoint vs the synchronous one", async_saved, sync_saved)
         assert async_resumed == sync_resumed, ("resumed from --async-save's checkpoint", async_resumed, sync_resumed)
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_mcore_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
 
 
@@ -1307,7 +1312,7 @@ def megatron_core_checkpoint_saved_for_a_data_parallel_resize() -> None:
             torch.save({"losses": run.losses, "params": params, "optimizer": optim}, os.path.join(root, "saved.pt"))
     finally:
         dist.barrier()
-        parallel_state.destroy_model_parallel()
+        destroy_mcore_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
 
 
@@ -1332,7 +1337,7 @@ def megatron_core_checkpoint_resumes_at_twice_the_data_parallel_size() -> None:
             torch.testing.assert_close(torch.tensor(resumed.losses[it]), torch.tensor(reference["losses"][it]),
                                        rtol=CONVERTED_RTOL, atol=0, msg=lambda m, i=it: f"iteration {i}: {m}")
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_mcore_parallel()
         initialize_mcore_parallel(model_args(), seed=1)
 
 
@@ -1404,7 +1409,7 @@ def meta_device_build_equals_the_eager_build_bitwise() -> None:
             assert losses == ref_losses, f"{what}: losses {losses} vs eager {ref_losses}"
             _assert_same_full_form(f"{what}: after {STEPS} steps", params, ref_params)
         finally:
-            parallel_state.destroy_model_parallel()
+            destroy_mcore_parallel()
             initialize_mcore_parallel(model_args(), seed=1)
     if world == 2:  # what the front-end cannot initialise stops the build, naming the module and the flag
         model = build_on_meta(model_args())
