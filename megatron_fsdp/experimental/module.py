@@ -29,6 +29,7 @@ from torch.distributed import DeviceMesh
 from megatron_fsdp.core.lookup import unit_of, units_of
 from megatron_fsdp.core.microbatch import microbatch as engine_microbatch
 from megatron_fsdp.core.unit import FSDPUnit, TrainingState
+from megatron_fsdp.experimental.annotation import add_nvtx_ranges
 from megatron_fsdp.experimental.mixed_precision import SUPPORTED_DTYPES, MixedPrecisionPolicy
 from megatron_fsdp.experimental.placements import Placements, map_placements
 from megatron_fsdp.fully_shard import fully_shard as engine_fully_shard
@@ -357,7 +358,8 @@ def fully_shard(
         _CLASSES[engine_class] = cls
     module.__class__ = cls
     module.__dict__[_STATE_ATTR] = _ModuleState(context, placements, _parameter_groups(cast(FSDPUnit, unit_of(module))))
-    module.register_forward_pre_hook(_check_context_ready, prepend=True)
+    add_nvtx_ranges(module)
+    module.register_forward_pre_hook(_check_context_ready, prepend=True)  # first of all
     handle = module.register_load_state_dict_pre_hook(_refuse_assign_load)
     module._load_state_dict_pre_hooks.move_to_end(handle.id, last=False)  # before the engine's own
     context.register_module(cast(FsdpModule, module))

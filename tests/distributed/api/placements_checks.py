@@ -213,6 +213,79 @@ def context_roots_names_and_orders() -> None:
     assert all(isinstance(p, DTensor) for p in model.parameters())
 
 
+class _TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.second(torch.relu(self.first(x))))
+
+
+class _RecordedRanges:
+    """``torch.cuda.nvtx.range_push``/``range_pop`` replaced by a recorder (they raise on a CPU build)."""
+
+    def __enter__(self) -> list[tuple[str, str]]:
+        self.events: list[tuple[str, str]] = []
+        self.stack: list[str] = []
+        self.saved = (torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop)
+
+        def push(label: str) -> None:
+            self.stack.append(label)
+            self.events.append(("push", label))
+
+        def pop() -> None:
+            self.events.append(("pop", self.stack.pop()))
+
+        torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop = push, pop
+        return self.events
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop = self.saved
+
+
+def _ranges(*spans: tuple[str, str, list]) -> list[tuple[str, str]]:
+    """Nested spans ``(name, phase, inner spans)`` as the push/pop events they make."""
+    events = []
+    for name, phase, inner in spans:
+        events.append(("push", f"MFSDP {name} {phase}"))
+        events.extend(_ranges(*inner))
+        events.append(("pop", f"MFSDP {name} {phase}"))
+    return events
+
+
+@check(SUITE, world_sizes=(2,))
+def nvtx_ranges_per_module_pass() -> None:
+    """Each FsdpModule pass is one NVTX range named after the module (``<root>`` for roots), nested as the
+    modules are: backward ranges close when the module's input gradients are computed, or at the end of
+    the backward when none is needed; a frozen module outside the backward graph has no backward range."""
+    model = _TwoLayers()
+    with fully_shard_context(device()):
+        fully_shard(model.first, dp_mesh(), zero3())
+        fully_shard(model.second, dp_mesh(), zero3())
+        fully_shard(model, dp_mesh(), zero3())
+    x = torch.randn(2, 4, device=device())
+    with _RecordedRanges() as events:
+        model(x).sum().backward()
+    forward = ("<root>", "forward", [("first", "forward", []), ("second", "forward", [])])
+    backward = ("<root>", "backward", [("second", "backward", []), ("first", "backward", [])])
+    assert events == _ranges(forward, backward), events
+
+    frozen = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # first one frozen, fed data: no gradient flows back
+    frozen[0].requires_grad_(False)
+    with fully_shard_context(device()):
+        fully_shard(frozen[0], dp_mesh(), zero3())
+        fully_shard(frozen[1], dp_mesh(), zero3())
+    with _RecordedRanges() as events:
+        for _ in range(2):  # siblings roots, two iterations: balanced every time
+            frozen(x).sum().backward()
+    one = _ranges(("<root>", "forward", []), ("<root>", "forward", []), ("<root>", "backward", []))
+    assert events == one + one, events
+    with _RecordedRanges() as events, torch.no_grad():
+        frozen(x)
+    assert events == _ranges(("<root>", "forward", []), ("<root>", "forward", [])), events
+
+
 @check(SUITE, world_sizes=(2,))
 def grad_divisor_divides_the_averaged_gradient() -> None:
     """``grad_divisor=4`` gives a quarter of the averaged gradient (rtol 1e-6)."""
