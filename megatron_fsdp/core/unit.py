@@ -48,6 +48,19 @@ class TrainingState(enum.Enum):
     BACKWARD = "backward"
 
 
+def through_inputs_requiring_grad(node: Callable[..., tuple], args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """A forward pre-hook's new ``(args, kwargs)``: the tensors that require a gradient passed through
+    ``node`` (an identity autograd function whose backward runs once their gradients are computed);
+    None where no input requires one."""
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not positions:
+        return None
+    for i, tensor in zip(positions, node(*(flat[i] for i in positions))):
+        flat[i] = tensor
+    return tree_unflatten(flat, spec)
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on the unit's inputs whose backward signals 'unit backward done'."""
 
@@ -399,14 +412,7 @@ class FSDPUnit:
             group.mark_compute_stale()
 
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        flat, spec = tree_flatten((args, kwargs))
-        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not positions:
-            return None
-        wrapped = _PostBackward.apply(self, *(flat[i] for i in positions))
-        for i, tensor in zip(positions, wrapped):
-            flat[i] = tensor
-        return tree_unflatten(flat, spec)
+        return through_inputs_requiring_grad(lambda *inputs: _PostBackward.apply(self, *inputs), args, kwargs)
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.state is TrainingState.BACKWARD:

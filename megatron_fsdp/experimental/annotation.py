@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from megatron_fsdp.core.lookup import unit_of
-from megatron_fsdp.core.unit import TrainingState
+from megatron_fsdp.core.unit import TrainingState, through_inputs_requiring_grad
 
 # module.__dict__ key: one entry per forward of the module in progress (nested calls stack up): whether its
 # forward range was pushed, and its backward range (None without one)
@@ -101,14 +101,8 @@ def _pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
         return None
     backward_range = _BackwardRange(_label(module, "backward"))
     passes.append((pushed, backward_range))
-    flat, spec = tree_flatten((args, kwargs))
-    positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if not positions:
-        return None
-    wrapped = _CloseOnInputGrads.apply(backward_range, *(flat[i] for i in positions))
-    for i, tensor in zip(positions, wrapped):
-        flat[i] = tensor
-    return tree_unflatten(flat, spec)
+    return through_inputs_requiring_grad(lambda *inputs: _CloseOnInputGrads.apply(backward_range, *inputs),
+                                         args, kwargs)
 
 
 def _post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
