@@ -64,27 +64,27 @@ def run_with_megatron_core(world_size: int) -> tuple[dict[str, dict[str, list[st
     return json.loads(line[len("RESULT "):]), out.stderr
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_megatron_core_gpt_model_under_our_engine(world_size):
-    results = run_with_megatron_core(world_size)[0][SUITE_OF[MODEL]]
+def assert_suite_passed(world_size: int, module) -> None:
+    """Every check of ``module``'s suite ran and passed in the ``world_size`` group; a failure shows each check's
+    errors and the end of the ranks' stderr (where a rank that died printed its threads: the harness's
+    faulthandler)."""
+    suites, stderr = run_with_megatron_core(world_size)
+    results = suites[SUITE_OF[module]]
     assert results, "no check ran"
     failures = {name: errors for name, errors in results.items() if errors}
-    assert not failures, "\n\n".join(f"{name}:\n" + "\n".join(errors) for name, errors in failures.items())
+    assert not failures, ("\n\n".join(f"{name}:\n" + "\n".join(errors) for name, errors in failures.items())
+                          + "\n" + stderr[-6000:])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_megatron_core_gpt_model_under_our_engine(world_size):
+    assert_suite_passed(world_size, MODEL)
 
 
 def test_megatron_core_context_parallel():
     """mcore_cp_checks.py: CP2 x DP2 and TP2 x CP2 against DP4, and a CP run with dropout that resumes (4 ranks)."""
-    suites, stderr = run_with_megatron_core(4)
-    results = suites[SUITE_OF[CP]]
-    assert results, "no check ran"
-    failures = {name: errors for name, errors in results.items() if errors}
-    assert not failures, "\n".join(e for errors in failures.values() for e in errors) + "\n" + stderr[-6000:]
+    assert_suite_passed(4, CP)
 
 
 def test_mcore_adapter_with_megatron_core():
-    suites, stderr = run_with_megatron_core(2)
-    results = suites[SUITE_OF[ADAPTER]]
-    assert results, "no check ran"
-    failures = {name: errors for name, errors in results.items() if errors}
-    # a rank that died printed where each thread was (the harness's faulthandler) on stderr
-    assert not failures, "\n".join(e for errors in failures.values() for e in errors) + "\n" + stderr[-6000:]
+    assert_suite_passed(2, ADAPTER)
