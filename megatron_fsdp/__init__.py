@@ -18,7 +18,6 @@ from megatron_fsdp.core.meta_init import materialize_meta
 from megatron_fsdp.core.microbatch import microbatch
 from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy
 from megatron_fsdp.core.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
-from megatron_fsdp.core.offload import CPUOffloadPolicy, OffloadPolicy
 from megatron_fsdp.core.options import EngineOptions
 from megatron_fsdp.fully_shard import fully_shard
 from megatron_fsdp.optim.grad_norm import clip_grad_norm_, get_grad_norm
@@ -66,8 +65,11 @@ __version__ = "0.1.0"
 
 # The checkpoint names load torch.distributed.checkpoint (about 6 MB resident) on first use,
 # not on ``import megatron_fsdp``: module-level ``__getattr__`` (PEP 562) imports their module
-# when one is first read, ``from megatron_fsdp import save_checkpoint`` included.
+# when one is first read, ``from megatron_fsdp import save_checkpoint`` included. FSDP2's
+# offload policies, re-exported, likewise load torch.distributed.fsdp (core/fsdp2_classes.py).
 _LAZY = {
+    "CPUOffloadPolicy": "torch.distributed.fsdp",
+    "OffloadPolicy": "torch.distributed.fsdp",
     "CheckpointMismatchError": "megatron_fsdp.checkpoint.state_dicts",
     "LoadedCheckpoint": "megatron_fsdp.checkpoint.iterations",
     "export_full_state_dict": "megatron_fsdp.checkpoint.export",
@@ -80,7 +82,7 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> object:
-    """Import a lazily re-exported checkpoint name's module on first access (``_LAZY``)."""
+    """Import a lazily re-exported name's module on first access (``_LAZY``)."""
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY[name]), name)

@@ -11,20 +11,23 @@ import difflib
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import OffloadPolicy
 
 from megatron_fsdp.api.fully_shard_model import FULLY_SHARD_MODEL_OPTIONS, fully_shard_whole_model
 from megatron_fsdp.core.lookup import UNIT_ATTR
-from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy, TorchMixedPrecisionPolicy, resolve_mp_policy
+from megatron_fsdp.core.mixed_precision import MixedPrecisionPolicy, resolve_mp_policy
 from megatron_fsdp.core.options import EngineOptions
 from megatron_fsdp.core.shard_module import shard_module
 from megatron_fsdp.optim import plain_local_step
 from megatron_fsdp.sharding.strategy import ShardingPlan
+
+if TYPE_CHECKING:  # torch's FSDP2 classes are looked up lazily (core/fsdp2_classes.py)
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+    from torch.distributed.fsdp import OffloadPolicy
 
 # Per-module keywords that have no meaning in the whole-model form.
 _PER_MODULE_ONLY = ("ignored_params", "shard_placement_fn", "dp_mesh_dims")

@@ -38,14 +38,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed.fsdp as torch_fsdp
 from torch.utils._pytree import tree_map
+
+from megatron_fsdp.core.fsdp2_classes import is_fsdp2_instance
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 GATHER_FORMATS = ("mxfp8",)
-# PyTorch's FSDP2 policy (torch >= 2.4); None where this torch has no FSDP2.
-TorchMixedPrecisionPolicy: type | None = getattr(torch_fsdp, "MixedPrecisionPolicy", None)
 
 
 @dataclass(frozen=True)
@@ -151,7 +150,7 @@ def resolve_mp_policy(policy: Any, *, where: str = "fully_shard") -> MixedPrecis
     """Ours, for ``None``, ours, or PyTorch's FSDP2 ``MixedPrecisionPolicy``; TypeError otherwise."""
     if policy is None or isinstance(policy, MixedPrecisionPolicy):
         return policy
-    if TorchMixedPrecisionPolicy is not None and isinstance(policy, TorchMixedPrecisionPolicy):
+    if is_fsdp2_instance(policy, "MixedPrecisionPolicy"):
         return MixedPrecisionPolicy.from_fsdp2(policy)
     raise TypeError(
         f"{where}: mp_policy must be a megatron_fsdp.MixedPrecisionPolicy or a "

@@ -1,14 +1,17 @@
 """FSDPModule: the methods a ``fully_shard``-ed module gains.
 
 ``fully_shard`` swaps the module's class for a dynamic subclass of
-``(FSDPModule, original class)``, as FSDP2 does; the module keeps its
-attributes, FQNs and ``state_dict`` keys. All runtime state lives in the
-``FSDPUnit`` at ``module.fsdp_unit``.
+``(FSDPModule, torch.distributed.fsdp.FSDPModule, original class)``, as FSDP2
+does; the module keeps its attributes, FQNs and ``state_dict`` keys. All runtime
+state lives in the ``FSDPUnit`` at ``module.fsdp_unit``.
 
-``FSDPModule`` derives from PyTorch's ``torch.distributed.fsdp.FSDPModule``, so
+Every sharded module is an instance of PyTorch's FSDP2 ``FSDPModule`` too, so
 code that looks for FSDP2 modules (``isinstance(m, FSDPModule)``: torchtitan,
 Lightning, Accelerate, torch's own helpers) finds ours and calls the methods
-below, which keep FSDP2's names and meanings. FSDP2 methods that need FSDP2's
+below, which keep FSDP2's names and meanings. Torch's class joins at
+``fully_shard`` time, not as a base of ``FSDPModule`` itself, so that
+``import megatron_fsdp`` does not import ``torch.distributed.fsdp``
+(``fsdp2_classes.py``); ``UnshardHandle`` likewise. FSDP2 methods that need FSDP2's
 own runtime state (``set_custom_all_gather``, ``set_post_optim_event``, ...)
 are not overridden: they reach ``_get_fsdp_state``, which raises naming the method.
 """
@@ -23,10 +26,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from megatron_fsdp.comm.collectives import CommStats
+from megatron_fsdp.core.fsdp2_classes import fsdp2_class
 from megatron_fsdp.core.grad_scaling import GradScaling, resolve_grad_scaling
 from megatron_fsdp.core.lookup import UNIT_ATTR, units_of
 from megatron_fsdp.core.meta_init import META_BUFFERS
@@ -35,11 +37,12 @@ from megatron_fsdp.core.unit import FSDPUnit
 from megatron_fsdp.core.validation import check_bool, check_reshard_after_forward
 
 
-class UnshardHandle(TorchUnshardHandle):
+class UnshardHandle:
     """What ``unshard(async_op=True)`` returns: ``wait()`` installs the gathered parameters.
 
     Waiting is optional: the module's next forward waits for the gather and uses it
-    without gathering again.
+    without gathering again. The handles returned are also FSDP2 ``UnshardHandle``s
+    (``_handle_class``).
     """
 
     def __init__(self, unit: FSDPUnit) -> None:
@@ -66,7 +69,17 @@ def _prefetch_units(modules: Any, where: str) -> list[FSDPUnit]:
     return units
 
 
-class FSDPModule(TorchFSDPModule):
+@functools.cache
+def _handle_class() -> type[UnshardHandle]:
+    """``UnshardHandle`` with FSDP2's ``UnshardHandle`` as a second base (torch's FSDP package is imported by
+    then: ``fully_shard`` imported it)."""
+    torch_handle = fsdp2_class("UnshardHandle")
+    if torch_handle is None:  # pragma: no cover - a torch without FSDP2
+        return UnshardHandle
+    return type("UnshardHandle", (UnshardHandle, torch_handle), {"__module__": __name__})
+
+
+class FSDPModule:
     """Mixin for modules sharded by :func:`megatron_fsdp.fully_shard` (an FSDP2 ``FSDPModule`` too)."""
 
     # In FSDP<Orig>'s MRO the original class follows ours and torch's:
@@ -79,7 +92,8 @@ class FSDPModule(TorchFSDPModule):
         Written here rather than inherited: older torch versions' ``__new__`` take the
         original class at a fixed MRO index that is torch's own ``FSDPModule`` for us.
         """
-        original = next(c for c in cls.__mro__ if not issubclass(c, TorchFSDPModule))
+        torch_module = fsdp2_class("FSDPModule") or FSDPModule
+        original = next(c for c in cls.__mro__ if not issubclass(c, (FSDPModule, torch_module)))
         module = original.__new__(original, *args, **kwargs)
         module.__init__(*args, **kwargs)
         return module
@@ -152,7 +166,7 @@ class FSDPModule(TorchFSDPModule):
             return fn(tensor)
 
         # past torch's FSDPModule._apply (FSDP2's own resharding) to the original class's
-        result = super(TorchFSDPModule, self)._apply(on_local_pieces, recurse)  # type: ignore[misc]
+        result = super(fsdp2_class("FSDPModule") or FSDPModule, self)._apply(on_local_pieces, recurse)
         # Buffers built on meta were replaced too (to_empty): whoever called this initialises
         # them (reset_parameters after to_empty, FSDP2's idiom), as ``applied`` says for the
         # parameters; materialize_meta must not re-initialise them over the caller's values.
@@ -188,7 +202,7 @@ class FSDPModule(TorchFSDPModule):
         async_op = check_bool("async_op", async_op, where="unshard")
         unit = self.fsdp_unit
         unit.start_explicit_unshard()
-        handle = UnshardHandle(unit)
+        handle = _handle_class()(unit)
         if async_op:
             return handle
         handle.wait()
@@ -373,7 +387,9 @@ def make_fsdp_module(module: nn.Module, unit: FSDPUnit) -> nn.Module:
     cls = type(module)
     subclass = _SUBCLASSES.get(cls)
     if subclass is None:
-        subclass = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        torch_module = fsdp2_class("FSDPModule")  # FSDP2's, for isinstance checks written for FSDP2
+        bases = (FSDPModule, cls) if torch_module is None else (FSDPModule, torch_module, cls)
+        subclass = type(f"FSDP{cls.__name__}", bases, {"__module__": cls.__module__})
         _SUBCLASSES[cls] = subclass
     module.__class__ = subclass
     module.__dict__[UNIT_ATTR] = unit

@@ -11,10 +11,14 @@ so the host path is the same code on every machine.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+from megatron_fsdp.core.fsdp2_classes import is_fsdp2_instance, loaded_class
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
 HOST = torch.device("cpu")
 
@@ -23,13 +27,13 @@ def resolve_offload_policy(value: Any, *, where: str = "fully_shard") -> CPUOffl
     """``CPUOffloadPolicy`` when offloading, None for ``None`` or a plain ``OffloadPolicy()`` (no offload)."""
     if value is None:
         return None
-    if isinstance(value, CPUOffloadPolicy):
+    if is_fsdp2_instance(value, "CPUOffloadPolicy"):
         if not isinstance(value.pin_memory, bool):
             raise TypeError(
                 f"{where}: CPUOffloadPolicy(pin_memory=...) must be True or False, got {value.pin_memory!r}"
             )
         return value
-    if type(value) is OffloadPolicy:
+    if type(value) is loaded_class("OffloadPolicy"):
         return None
     raise TypeError(
         f"{where}: offload_policy must be torch.distributed.fsdp.OffloadPolicy() (no offload), "

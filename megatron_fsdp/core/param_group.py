@@ -37,11 +37,11 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
@@ -61,6 +61,9 @@ from megatron_fsdp.sharding.layout import FlatLayout, alignment_numel, build_fla
 from megatron_fsdp.sharding.mesh import DataParallelMesh
 from megatron_fsdp.sharding.outer_shard import outer_shard_geometry
 from megatron_fsdp.sharding.strategy import ShardingPlan
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
 
 def flat_alignment(dtype: torch.dtype, policy: MixedPrecisionPolicy | None) -> int:

@@ -9,13 +9,12 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import OffloadPolicy
 
 from megatron_fsdp.core import step_guard
 from megatron_fsdp.core.fsdp_param import ParamRef, gather_extension
@@ -43,6 +42,9 @@ from megatron_fsdp.sharding.mesh import OUTER_STRATEGIES, DataParallelMesh, reso
 from megatron_fsdp.sharding.no_shard import is_marked_no_shard
 from megatron_fsdp.sharding.strategy import STRATEGIES, ShardingPlan, resolve_strategy
 from megatron_fsdp.sharding.tensor_parallel import check_dp_mesh_for_tp, tensor_parallel_spec
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import OffloadPolicy
 
 
 def default_mesh() -> DeviceMesh:

@@ -22,15 +22,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 from torch.distributed.tensor import Shard
 
 from megatron_fsdp.comm.lending import on_aliases
 from megatron_fsdp.comm.objects import all_gather_objects
-
-# torch 2.13's FSDP2 ``DataParallelMeshDims``; None on a torch without it (2.11).
-DataParallelMeshDims: type | None = getattr(torch_fsdp, "DataParallelMeshDims", None)
+from megatron_fsdp.core.fsdp2_classes import is_fsdp2_instance
 
 _FINGERPRINT_MASK = (1 << 62) - 1  # non-negative and negatable without int64 overflow
 
@@ -141,7 +138,7 @@ def resolve_dp_mesh_dims(
     """FSDP2's ``DataParallelMeshDims(shard=, replicate=)`` as our ``(dp_shard_dim, dp_outer_dim)``."""
     if dp_mesh_dims is None:
         return dp_shard_dim, dp_outer_dim
-    if DataParallelMeshDims is None or not isinstance(dp_mesh_dims, DataParallelMeshDims):
+    if not is_fsdp2_instance(dp_mesh_dims, "DataParallelMeshDims"):
         raise TypeError(
             f"fully_shard: dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, got "
             f"{type(dp_mesh_dims).__name__} (or use dp_shard_dim=/dp_outer_dim=)"

@@ -1,4 +1,5 @@
-"""``import megatron_fsdp`` leaves torch.distributed.checkpoint unloaded; every public name still imports.
+"""``import megatron_fsdp`` leaves torch.distributed.checkpoint and torch.distributed.fsdp unloaded; every
+public name still imports.
 
 The checkpoint names of ``megatron_fsdp`` and ``megatron_fsdp.checkpoint`` are re-exported
 lazily (module-level ``__getattr__``, PEP 562, over a ``_LAZY`` map) so that importing the
@@ -68,7 +69,7 @@ def test_lazy_targets_are_package_modules() -> None:
     import megatron_fsdp.checkpoint
 
     for name, module in megatron_fsdp._LAZY.items():
-        assert module.startswith("megatron_fsdp.checkpoint."), (name, module)
+        assert module.startswith("megatron_fsdp.checkpoint.") or module == "torch.distributed.fsdp", (name, module)
         assert hasattr(importlib.import_module(module), name), (name, module)
         assert name in megatron_fsdp.__all__, name
     for name, sub in megatron_fsdp.checkpoint._LAZY.items():
@@ -89,3 +90,30 @@ def test_placements_api_is_not_imported_by_the_library_and_loads_dcp_lazily() ->
         " 'after': 'torch.distributed.checkpoint' in sys.modules}))"
     )
     assert seen == {"eager": False, "dcp": False, "missing": [], "after": True}, seen
+
+
+def test_import_does_not_load_torch_fsdp_and_sharded_modules_are_still_fsdp2_modules() -> None:
+    """torch.distributed.fsdp (FSDP1 and torch.distributed._shard with it: 86 modules) loads at the first
+    fully_shard, not at import; then sharded modules and unshard handles are FSDP2's types too, and the
+    re-exported policies are torch's."""
+    seen = _fresh(
+        "import json, sys, tempfile\n"
+        "import torch, torch.distributed as dist\n"
+        "import megatron_fsdp\n"
+        "eager = sorted(m for m in sys.modules if m.startswith('torch.distributed.fsdp'))\n"
+        "dist.init_process_group('gloo', init_method='file://' + tempfile.mktemp(), rank=0, world_size=1)\n"
+        "model = megatron_fsdp.fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))\n"
+        "import torch.distributed.fsdp as tf\n"
+        "handle = model.unshard(async_op=True)\n"
+        "handle.wait()\n"
+        "loss = model(torch.ones(2, 4)).sum()\n"
+        "loss.backward()\n"
+        "print(json.dumps({'eager': eager, 'module': isinstance(model, tf.FSDPModule),"
+        " 'ours': isinstance(model, megatron_fsdp.FSDPModule), 'handle': isinstance(handle, tf.UnshardHandle)"
+        " and isinstance(handle, megatron_fsdp.UnshardHandle),"
+        " 'policies': megatron_fsdp.CPUOffloadPolicy is tf.CPUOffloadPolicy and megatron_fsdp.OffloadPolicy is"
+        " tf.OffloadPolicy, 'class': type(model).__name__, 'grad': model[0].weight.grad is not None}))\n"
+        "dist.destroy_process_group()"
+    )
+    assert seen == {"eager": [], "module": True, "ours": True, "handle": True, "policies": True,
+                    "class": "FSDPSequential", "grad": True}, seen
