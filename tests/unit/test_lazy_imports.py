@@ -117,3 +117,14 @@ def test_import_does_not_load_torch_fsdp_and_sharded_modules_are_still_fsdp2_mod
     )
     assert seen == {"eager": [], "module": True, "ours": True, "handle": True, "policies": True,
                     "class": "FSDPSequential", "grad": True}, seen
+
+
+def test_import_adds_no_more_modules_than_torch_fsdp() -> None:
+    """The module count of ``import megatron_fsdp`` against ``import torch.distributed.fsdp`` from the same base
+    (after ``import torch``): the proxy of resident cost a unit test can hold (benchmarks/import_rss.py prints
+    the MB: 44.4 against 44.6)."""
+    code = ("import json, sys, torch\nbefore = set(sys.modules)\nimport {}\n"
+            "print(json.dumps({{'n': len(set(sys.modules) - before)}}))")
+    ours = _fresh(code.format("megatron_fsdp"))["n"]
+    fsdp2 = _fresh(code.format("torch.distributed.fsdp"))["n"]
+    assert ours <= fsdp2, f"import megatron_fsdp adds {ours} modules, import torch.distributed.fsdp {fsdp2}"
