@@ -10,8 +10,9 @@ plans, and ``simulate_scale.py`` does too. Under the fake group every collective
 at issue, but its works never report ``is_completed()``; anything that waited for them
 by the clock paid its whole budget per work (issue 25: 50 ms per unit, 11.6x FSDP2's
 step). Both libraries wrap the same model (``--units`` blocks of ``Linear, ReLU``, each
-``fully_shard``-ed, then the root) in the same process and run the same steps; the
-median step time of each and their ratio are printed. The numbers themselves are
+``fully_shard``-ed, then the root) in the same process and run the same steps,
+interleaved; the median step time of each (wall clock, and the process's CPU time,
+steadier on a shared machine) and their ratios are printed. The numbers themselves are
 garbage (the fake all-gather writes nothing): only time counts.
 """
 
@@ -39,17 +40,27 @@ def build(units: int, width: int, shard) -> nn.Module:
     return model
 
 
-def step_times(model: nn.Module, steps: int, batch: int, width: int) -> list[float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def one_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> tuple[float, float]:
+    """One step's (wall, process CPU) seconds."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    model(x).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def step_times(models: dict[str, nn.Module], steps: int, batch: int, width: int) -> dict[str, list[tuple]]:
+    """Each model's step times, the models' steps interleaved (ours, FSDP2, ours, ...) so that a drift of a
+    shared machine's load touches both alike; the first two steps (lazy init, optimizer state) untimed."""
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
     x = torch.randn(batch, width)
-    times = []
-    for _ in range(steps + 2):  # the first two steps (lazy init, optimizer state) are not timed
-        start = time.perf_counter()
-        model(x).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - start)
-    return times[2:]
+    times: dict[str, list[tuple]] = {name: [] for name in models}
+    for step in range(steps + 2):
+        for name, model in models.items():
+            took = one_step(model, optimizers[name], x)
+            if step >= 2:
+                times[name].append(took)
+    return times
 
 
 def main() -> None:
@@ -63,16 +74,16 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
     try:
-        results = {}
-        for name, shard in (("ours", fully_shard), ("fsdp2", fsdp2_fully_shard)):
-            model = build(args.units, args.width, shard)
-            results[name] = statistics.median(step_times(model, args.steps, args.batch, args.width))
-        ratio = results["ours"] / results["fsdp2"]
+        models = {name: build(args.units, args.width, shard)
+                  for name, shard in (("ours", fully_shard), ("fsdp2", fsdp2_fully_shard))}
+        times = step_times(models, args.steps, args.batch, args.width)
+        wall = {name: statistics.median(t[0] for t in rows) for name, rows in times.items()}
+        cpu = {name: statistics.median(t[1] for t in rows) for name, rows in times.items()}
         print(f"fake process group, rank {args.rank} of {args.world}, {args.units} units, AdamW, "
-              f"median of {args.steps} steps")
-        print(f"  ours  {results['ours'] * 1e3:8.1f} ms/step")
-        print(f"  fsdp2 {results['fsdp2'] * 1e3:8.1f} ms/step")
-        print(f"  ratio ours/fsdp2 {ratio:.2f}")
+              f"median of {args.steps} interleaved steps (wall / process CPU)")
+        for name in models:
+            print(f"  {name:5s} {wall[name] * 1e3:8.1f} ms/step wall {cpu[name] * 1e3:8.1f} ms/step CPU")
+        print(f"  ratio ours/fsdp2 {wall['ours'] / wall['fsdp2']:.2f} wall, {cpu['ours'] / cpu['fsdp2']:.2f} CPU")
     finally:
         dist.destroy_process_group()
 

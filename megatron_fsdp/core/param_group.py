@@ -438,10 +438,7 @@ class ParamGroup(WeightPath, GradientPath):
         if self.params[index].extension is not None:
             return True  # a tensor subclass over the shard (torchao): its own swaps are its class's concern
         local = getattr(self.sharded_params[index], "_local_tensor", None)
-        view = self.params[index].shard_view()
-        if local is None or local.shape != view.shape:
-            return False
-        return view.numel() == 0 or local.data_ptr() == view.data_ptr()
+        return local is not None and self.params[index].is_shard_view(local)
 
     def _take_contents(self, index: int) -> None:
         """Our sharded parameter object was given another tensor's contents (``torch.utils.swap_tensors``):
