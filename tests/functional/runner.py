@@ -7,9 +7,8 @@
 
 Running many short jobs inside one process group (``pretrain`` reuses an
 initialised group) keeps the CI cost to one process launch per world size.
-megatron-core is installed in the environment (``.ci/setup.sh``); the configurations
-of the project's own GPT name it (``--model-provider gpt``, configs.py) until they move
-to megatron-core's model.
+megatron-core is installed in the environment (``.ci/setup.sh``); every configuration
+builds its ``GPTModel``.
 """
 
 from __future__ import annotations

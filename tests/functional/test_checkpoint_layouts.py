@@ -36,16 +36,16 @@ BASE = ("--mock-data --vocab-size 60 --make-vocab-size-divisible-by 32 --num-lay
         "--num-attention-heads 4 --group-query-attention --num-query-groups 2 --swiglu "
         "--untie-embeddings-and-output-weights "
         "--seq-length 16 --micro-batch-size 2 --global-batch-size 8 --log-interval 1 --train-iters 8 "
-        "--attention-dropout 0 --hidden-dropout 0 --lr 1e-3 "
-        # the project's own GPT, as before megatron-core was installed, until issue 37 moves these layouts
-        "--model-provider gpt").split()
+        "--attention-dropout 0 --hidden-dropout 0 --lr 1e-3").split()
 FSDP = "--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy optim_grads_params".split()
 DP = FSDP  # TP 1, data parallelism alone (ZeRO-3)
 DDP_TP2 = ["--tensor-model-parallel-size", "2"]  # the DDP baseline (it saves the same format)
 TP2 = [*FSDP, *DDP_TP2]
 HSDP = ["--num-distributed-optimizer-instances", "2"]
 CP2 = ["--context-parallel-size", "2"]
-MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01".split()
+# SwiGLU experts (BASE) without biases: megatron-core 0.16.1's fused weighted SwiGLU has none
+MOE = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01 "
+       "--disable-bias-linear").split()
 EP1 = [*FSDP, *MOE]
 EP2 = [*EP1, "--expert-model-parallel-size", "2"]
 RTOL = 1e-5
