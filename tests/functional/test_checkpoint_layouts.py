@@ -204,6 +204,10 @@ def test_export_of_a_model_parallel_checkpoint_is_the_unsplit_model(runs, tmp, s
         assert exported[split]["decoder.layers.0.mlp.linear_fc1.weight"].shape == (256, 32)  # [gate | up] of 128
     else:
         assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight" in exported[split]  # global index
+        # Not compared by value: megatron-core draws each EP rank's local experts in turn from the generator, so an EP2
+        # build starts from other expert (and later-layer) weights than the EP1 build of the same seed. The EP
+        # conversions of a checkpoint are checked by the resumes above (EP2 <-> EP1 continue the curve).
+        return
     for key, value in exported[unsplit].items():
         assert torch.equal(exported[split][key], value), key
 
