@@ -21,7 +21,7 @@ from megatron_fsdp.sharding.strategy import OUTER_STRATEGY_NAMES, STRATEGY_NAMES
 
 from .errors import UsageValueError, print_once
 from .initialize import print_rank_0
-from .mcore_model import choose_model_provider
+from .mcore_model import check_mcore_model
 from .megatron_flags import (
     CKPT_FORMATS,
     LR_DECAY_STYLES,
@@ -38,10 +38,10 @@ STRATEGIES = STRATEGY_NAMES
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model-provider", choices=("auto", "mcore", "gpt"), default="auto",
-                   help="auto: megatron-core's GPTModel when megatron-core is installed and can run the "
-                        "configuration, else the project's own GPT (the start-up line says which and why); "
-                        "mcore: megatron-core's GPTModel or an error naming the cause; gpt: the project's own GPT")
+    g.add_argument("--model-provider", type=model_provider_type, default="mcore", metavar="{mcore,auto}",
+                   help="mcore (default): megatron-core's GPTModel, the only model (as Megatron-LM's "
+                        "pretrain_gpt.py); auto: the same (the old default, kept for scripts that pass it); where "
+                        "megatron-core cannot run the configuration, start-up stops naming each cause")
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--hidden-size", type=int, default=64)
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 * hidden size")
@@ -186,6 +186,22 @@ def _suggest(message: str, known: list[str]) -> str:
     return message + "".join(f"\n  {hint}" for hint in hints)
 
 
+MODEL_PROVIDERS = ("mcore", "auto")
+
+
+def model_provider_type(value: str) -> str:
+    """``--model-provider``: ``mcore``, or ``auto`` (the old default) meaning the same; ``gpt`` is refused at
+    parse time (the project's own GPT was removed)."""
+    if value in MODEL_PROVIDERS:
+        return "mcore"
+    if value == "gpt":
+        raise argparse.ArgumentTypeError(
+            "--model-provider gpt: the project's own GPT (megatron/training/gpt_model.py) was removed; "
+            "megatron-core's GPTModel is the model. Pass --model-provider mcore (the default) or leave the flag out")
+    raise argparse.ArgumentTypeError(f"--model-provider {value!r}: valid values are mcore (the default) and auto "
+                                     "(the same)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         description="Megatron-style GPT pre-training on megatron_fsdp (see docs/megatron.md)",
@@ -221,7 +237,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     """Derive Megatron's computed arguments and reject invalid combinations (in place)."""
     args.world_size = world_size
     default_transformer_impl(args)
-    args.model_provider, args.model_provider_reason = choose_model_provider(args, _fail)
+    check_mcore_model(args, _fail)
     _validate_model_parallel(args, world_size)
     if args.use_custom_fsdp:
         args.use_megatron_fsdp = True

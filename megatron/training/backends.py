@@ -286,7 +286,7 @@ def build_backend(
         model.to(torch.bfloat16)  # compute weights; fp32 main weights kept by preserve_fp32_weights
     if not meta:
         model.to(device)
-    # Units: the adapter's default, the model's TransformerLayer class (ours or megatron-core's).
+    # Units: the adapter's default, megatron-core's TransformerLayer.
     # With expert parallelism, expert modules are units of their own over the expert mesh's dp_shard.
     wrapped = FullyShardedDataParallel(args, ddp_config_from_args(args), model, device_mesh=layout.mesh,
                                        expt_device_mesh=layout.expt_mesh)

@@ -92,7 +92,7 @@ def model_args_mismatch(saved_args: dict[str, Any], args: argparse.Namespace) ->
     return [f"{_flag(k)} {saved[k]} (saved) vs {now.get(k)} (now)" for k in saved if saved[k] != now.get(k)]
 
 
-# An expert's parameters: ``...mlp.local_experts.<local index>.<name>`` (megatron_fsdp.parallel.moe).
+# An expert's parameters: ``...mlp.experts.local_experts.<local index>.<name>`` (megatron-core's SequentialMLP).
 _LOCAL_EXPERT = re.compile(r"(^|\.)local_experts\.(\d+)\.")
 
 
@@ -152,7 +152,8 @@ def save(args: argparse.Namespace, state: RunState, module: nn.Module, optimizer
         "consumed_valid_samples": state.consumed_valid_samples,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
     }
-    # megatron-core's CUDA RNG tracker and the own GPT's model-parallel RNG, every rank's (rng_tracker.py)
+    # megatron-core's CUDA RNG tracker and rng_tracker.py's model-parallel RNG (seeded by training.py; megatron-core's
+    # model draws nothing from it), every rank's
     trackers = ((TRACKER_KEY, mcore_rng_tracker()), (MODEL_PARALLEL_TRACKER_KEY, get_model_parallel_rng_tracker()))
     for key, tracker in trackers:
         tracker_states = gather_tracker_states(tracker)
@@ -324,12 +325,11 @@ def load(args: argparse.Namespace, module: nn.Module, optimizer: torch.optim.Opt
         mismatch.report, mismatch.where = error.report, error.where
         raise mismatch from error
     print_rank_0(f"  successfully loaded checkpoint from {located.directory} at iteration {loaded.iteration}")
-    own_gpt_forks = layout.tp.size > 1 and getattr(args, "model_provider", "gpt") != "mcore"
     trackers = ((TRACKER_KEY, mcore_rng_tracker(), True),
-                (MODEL_PARALLEL_TRACKER_KEY, get_model_parallel_rng_tracker(), own_gpt_forks))
+                (MODEL_PARALLEL_TRACKER_KEY, get_model_parallel_rng_tracker(), False))  # no mask drawn from it
     for key, tracker, draws_masks in trackers:
-        # a checkpoint written before the model-parallel RNG existed holds none of its states: it loads, the
-        # tracker keeps this run's seeding, and where the project's GPT forks it (TP > 1) a warning says so
+        # a checkpoint written before a tracker existed holds none of its states: it loads, the tracker keeps
+        # this run's seeding, and where the model draws dropout masks from it a warning says so
         warning = restore_tracker_states(tracker, loaded.extra, rng_restored=loaded.rng_restored,
                                          where=f"--load {args.load}", key=key, draws_masks=draws_masks)
         if warning is not None:

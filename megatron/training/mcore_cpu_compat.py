@@ -358,7 +358,7 @@ def apply_cpu_compat() -> bool:
         raise RuntimeError(
             f"megatron-core on CPU goes through megatron/training/mcore_cpu_compat.py, written for megatron-core "
             f"{MCORE_VERSION}; it does not fit the installed copy: " + "; ".join(problems)
-            + f". Install megatron-core=={MCORE_VERSION}, or run on CUDA, or use --model-provider gpt"
+            + f". Install megatron-core=={MCORE_VERSION}, or run on CUDA"
         )
     for patch in PATCHES:
         owner, _, attr = patch.target.rpartition(".")

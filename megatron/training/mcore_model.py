@@ -1,10 +1,10 @@
-"""megatron-core's ``GPTModel`` from Megatron-LM's flags, and which GPT a run builds.
+"""megatron-core's ``GPTModel`` from Megatron-LM's flags: the model ``pretrain_gpt.py`` builds.
 
-``--model-provider auto`` (the default) builds megatron-core's ``GPTModel`` whenever
-megatron-core is importable and can run the configuration here; otherwise the
-project's own GPT (``gpt_model.py``), and the start-up line says why. ``mcore`` asks
-for megatron-core's model and stops, naming the cause, where it cannot run; ``gpt``
-asks for the project's own. On CPU, megatron-core runs through ``mcore_cpu_compat``.
+It is the only model, as in Megatron-LM (``--model-provider mcore``, the default; ``auto`` is
+the same). Where megatron-core cannot run a configuration here (``mcore_blockers``: not
+installed, another version without CUDA, an MoE activation it cannot fuse, TransformerEngine
+asked for and absent), start-up stops with each cause and the flag to change
+(``check_mcore_model``). On CPU, megatron-core runs through ``mcore_cpu_compat``.
 
 The flags become a ``TransformerConfig`` as in Megatron-LM's
 ``core_transformer_config_from_args`` (every config field that has a flag of the same
@@ -85,32 +85,26 @@ def mcore_blockers(args: argparse.Namespace) -> list[str]:
         blockers.append("--transformer-impl transformer_engine needs TransformerEngine, which is not installed "
                         "(pass --transformer-impl local for megatron-core's own layers)")
     if args.num_experts:
-        # megatron-core 0.16.1's experts fuse the bias-activation with the router's per-token probabilities only
-        # for SwiGLU without bias: anything else raises at the first forward (on GPUs too).
-        if args.swiglu and _arg(args, "add_bias_linear", True):
-            blockers.append("--num-experts with --swiglu and biases: megatron-core's fused weighted SwiGLU has no "
-                            "bias (pass --disable-bias-linear)")
-        elif not args.swiglu and _arg(args, "bias_gelu_fusion", True):
+        # megatron-core 0.16.1's experts (SequentialMLP's MLPs) add their output bias, scaled by the router's
+        # per-token probabilities, in place on the output of the row-parallel reduce, a custom autograd function
+        # that returns its input as-is: autograd refuses it at the first forward (mlp.py). Grouped GEMM (CUDA only)
+        # runs other expert code.
+        if _arg(args, "add_bias_linear", True) and (cuda_absent() or not _arg(args, "moe_grouped_gemm", False)):
+            blockers.append("--num-experts with biases: megatron-core 0.16.1's experts add their output bias in "
+                            "place on a view autograd refuses at the first forward (pass --disable-bias-linear)")
+        # It fuses the bias-activation with the router's per-token probabilities only for SwiGLU: GeLU raises.
+        if not args.swiglu and _arg(args, "bias_gelu_fusion", True):
             blockers.append("--num-experts with GeLU experts: megatron-core fuses the bias-GeLU only without the "
                             "router's per-token probabilities (pass --no-bias-gelu-fusion: the same numbers, unfused)")
     return blockers
 
 
-def choose_model_provider(args: argparse.Namespace, fail: Callable[[str], None]) -> tuple[str, str]:
-    """``("mcore" | "gpt", why)`` for ``--model-provider auto|mcore|gpt``; ``fail`` where ``mcore`` cannot run."""
-    requested = args.model_provider
-    if requested == "gpt":
-        return "gpt", "--model-provider gpt"
+def check_mcore_model(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
+    """``fail`` with every blocker's message where megatron-core's GPTModel cannot run this configuration here."""
     blockers = mcore_blockers(args)
-    if requested == "mcore":
-        if blockers:
-            fail("--model-provider mcore cannot build megatron-core's GPTModel here: " + "; ".join(blockers)
-                 + ". Use --model-provider gpt for the project's own GPT")
-        return "mcore", "--model-provider mcore"
     if blockers:
-        return "gpt", ("--model-provider auto, and megatron-core's GPTModel cannot run this: " + "; ".join(blockers))
-    return "mcore", (f"--model-provider auto and megatron-core {_mcore_version()} is installed "
-                     "(--model-provider gpt builds the project's own GPT)")
+        fail("megatron-core's GPTModel (the model pretrain_gpt.py builds) cannot run this here: "
+             + "; ".join(blockers))
 
 
 def transformer_config_from_args(args: argparse.Namespace):

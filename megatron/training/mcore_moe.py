@@ -44,7 +44,7 @@ class McoreMoE:
 
     @classmethod
     def for_model(cls, args: argparse.Namespace, module: nn.Module) -> McoreMoE | None:
-        if getattr(args, "model_provider", None) != "mcore" or not getattr(args, "num_experts", None):
+        if not getattr(args, "num_experts", None):
             return None
         return cls(args, module)
 

@@ -8,10 +8,10 @@ after 0.16.1), and each one, by ``FLAG_STATUS``, either
 
 - takes effect (``"effect"``): it changes what the run does (the text says how);
 - is a documented no-op (``"no-op"``): accepted, with the reason it changes nothing here;
-- stops the run at start-up (``"stops"``) when set, with a message naming the flag and what it needs;
-- needs megatron-core's model (``"mcore"``): model-architecture flags that only megatron-core's
-  ``GPTModel`` implements; with our own GPT (``--model-provider gpt``) a run that sets one stops at
-  start-up naming it (``require_mcore_model_for``).
+- stops the run at start-up (``"stops"``) when set, with a message naming the flag and what it needs.
+
+The model is megatron-core's ``GPTModel`` (``mcore_model.py``): its architecture flags (multi-latent
+attention, the MoE router's options, shared experts) take effect there.
 
 No flag is accepted silently: ``tests/unit/frontend/test_megatron_flags.py`` checks that every flag
 defined here has a status and is listed in docs/megatron.md.
@@ -220,11 +220,11 @@ def add_moe_compat_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
 
 
-_NO_FUSION = ("a fused CUDA kernel switch; this front-end's layers are plain PyTorch and have no such fusion on any "
-              "device")
-_MCORE = "only megatron-core's GPTModel implements it (--model-provider mcore)"
+_NO_FUSION = ("a fused CUDA kernel switch, passed to megatron-core's model; on CPU the fusion is off whatever the "
+              "value (the unfused code computes the same numbers)")
+_MCORE = "megatron-core's GPTModel implements it"
 
-# flag -> (status, what it does here). Statuses: effect, no-op, stops, mcore (see the module docstring).
+# flag -> (status, what it does here). Statuses: effect, no-op, stops (see the module docstring).
 FLAG_STATUS: dict[str, tuple[str, str]] = {
     "--log-params-norm": ("effect", "the log line's `params norm` (global L2 norm of the parameters, each counted "
                           "once over shards and TP) and tensorboard `params-norm`"),
@@ -257,16 +257,15 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
                            "model: without TransformerEngine the default falls back to local with a notice, "
                            "and an explicit --transformer-impl transformer_engine stops at start-up"),
     "--use-mcore-models": ("no-op", "deprecated in Megatron-LM (megatron-core models are its default); the model "
-                           "is chosen by --model-provider here"),
+                           "is megatron-core's GPTModel here, always"),
     "--no-gradient-accumulation-fusion": ("no-op", _NO_FUSION),
     "--no-rope-fusion": ("no-op", _NO_FUSION),
     "--no-bias-gelu-fusion": ("no-op", _NO_FUSION + "; megatron-core's MoE with GeLU experts needs it (its fused "
-                             "bias-GeLU has no per-token scale: without it auto builds our GPT, naming the flag)"),
-    "--attention-softmax-in-fp32": ("no-op", "attention is torch's scaled_dot_product_attention, whose softmax "
-                                    "accumulates in fp32 for bf16 inputs already; megatron-core's model takes it "
-                                    "(TransformerConfig.attention_softmax_in_fp32: its softmax runs in fp32)"),
-    "--attention-backend": ("no-op", "auto, unfused, local: our attention is scaled_dot_product_attention; "
-                            "megatron-core's model receives the value"),
+                             "bias-GeLU has no per-token scale: without it start-up stops, naming the flag)"),
+    "--attention-softmax-in-fp32": ("no-op", "megatron-core's model takes it (TransformerConfig."
+                                    "attention_softmax_in_fp32: its softmax runs in fp32); the same numbers in fp32"),
+    "--attention-backend": ("no-op", "megatron-core's model receives the value; its local layer spec's "
+                            "attention is the unfused one whatever the value"),
     "--apply-query-key-layer-scaling": ("no-op", "it divides the scores by the layer number and multiplies them back "
                                         "in the softmax, an fp16 overflow guard; the same numbers in fp32 and bf16 "
                                         "(fp16 is refused); megatron-core's model takes it "
@@ -289,15 +288,15 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
     "--norm-epsilon": ("effect", "epsilon of every LayerNorm/RMSNorm"),
     "--disable-bias-linear": ("effect", "no biases in the attention and MLP linear layers"),
     "--qk-layernorm": ("effect", "a norm (--normalization) over each query and key head before attention"),
-    "--multi-latent-attention": ("mcore", _MCORE),
-    "--q-lora-rank": ("mcore", "with --multi-latent-attention; " + _MCORE),
-    "--kv-lora-rank": ("mcore", "with --multi-latent-attention; " + _MCORE),
-    "--qk-head-dim": ("mcore", "with --multi-latent-attention; " + _MCORE),
-    "--qk-pos-emb-head-dim": ("mcore", "with --multi-latent-attention; " + _MCORE),
-    "--v-head-dim": ("mcore", "with --multi-latent-attention; " + _MCORE),
-    "--rotary-scaling-factor": ("mcore", "with --multi-latent-attention; " + _MCORE),
-    "--mscale": ("mcore", "with --multi-latent-attention; " + _MCORE),
-    "--mscale-all-dim": ("mcore", "with --multi-latent-attention; " + _MCORE),
+    "--multi-latent-attention": ("effect", _MCORE),
+    "--q-lora-rank": ("effect", "with --multi-latent-attention; " + _MCORE),
+    "--kv-lora-rank": ("effect", "with --multi-latent-attention; " + _MCORE),
+    "--qk-head-dim": ("effect", "with --multi-latent-attention; " + _MCORE),
+    "--qk-pos-emb-head-dim": ("effect", "with --multi-latent-attention; " + _MCORE),
+    "--v-head-dim": ("effect", "with --multi-latent-attention; " + _MCORE),
+    "--rotary-scaling-factor": ("effect", "with --multi-latent-attention; " + _MCORE),
+    "--mscale": ("effect", "with --multi-latent-attention; " + _MCORE),
+    "--mscale-all-dim": ("effect", "with --multi-latent-attention; " + _MCORE),
     "--use-torch-fsdp2": ("effect", "PyTorch FSDP2 (torch.distributed.fsdp.fully_shard) as the data-parallel "
                           "backend, in place of DDP or --use-megatron-fsdp: transformer layers (and megatron-core's "
                           "untied embedding) are units, fp32 sharded parameters, bf16 compute with --bf16; "
@@ -335,24 +334,22 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
                                             "any rank count, strategy, TP, CP, EP)"),
     "--moe-layer-freq": ("effect", "which layers are MoE (an int N: every N-th; a list such as ([0]*3+[1]*5)); the "
                          "others have a dense MLP"),
-    "--moe-shared-expert-intermediate-size": ("mcore", _MCORE),
-    "--moe-router-load-balancing-type": ("effect", "aux_loss (the default) is ours; other types need "
-                                         "megatron-core's model"),
-    "--moe-router-pre-softmax": ("mcore", _MCORE),
-    "--moe-router-group-topk": ("mcore", _MCORE),
-    "--moe-router-num-groups": ("mcore", _MCORE),
-    "--moe-router-topk-scaling-factor": ("mcore", _MCORE),
-    "--moe-router-score-function": ("mcore", "softmax (the default) is ours; sigmoid: " + _MCORE),
-    "--moe-router-enable-expert-bias": ("mcore", _MCORE),
-    "--moe-router-bias-update-rate": ("mcore", "with --moe-router-enable-expert-bias; " + _MCORE),
-    "--moe-router-dtype": ("effect", "fp32: our router already computes its logits and probabilities in fp32 "
-                           "(accepted); fp64: " + _MCORE),
+    "--moe-shared-expert-intermediate-size": ("effect", _MCORE),
+    "--moe-router-load-balancing-type": ("effect", "megatron-core's MoE router's load-balancing loss "
+                                         "(aux_loss, the default, seq_aux_loss, global_aux_loss, sinkhorn, none)"),
+    "--moe-router-pre-softmax": ("effect", _MCORE),
+    "--moe-router-group-topk": ("effect", _MCORE),
+    "--moe-router-num-groups": ("effect", _MCORE),
+    "--moe-router-topk-scaling-factor": ("effect", _MCORE),
+    "--moe-router-score-function": ("effect", "softmax (the default) or sigmoid: " + _MCORE),
+    "--moe-router-enable-expert-bias": ("effect", _MCORE),
+    "--moe-router-bias-update-rate": ("effect", "with --moe-router-enable-expert-bias; " + _MCORE),
+    "--moe-router-dtype": ("effect", "fp32 or fp64 router logits and probabilities: " + _MCORE),
     "--moe-grouped-gemm": ("no-op", "experts compute one matmul each; a grouped GEMM (TransformerEngine or "
                            "grouped_gemm on CUDA) gives the same numbers faster; on CPU megatron-core's model builds "
                            "its SequentialMLP in place of GroupedMLP (parameters local_experts.N.*, not weight1/2)"),
     "--moe-permute-fusion": ("no-op", _NO_FUSION),
-    "--moe-token-dispatcher-type": ("effect", "allgather (Megatron's default) and alltoall: the same routing; our "
-                                    "GPT's dispatcher moves tokens by all-to-all over the expert-parallel group; "
+    "--moe-token-dispatcher-type": ("effect", "allgather (Megatron's default) and alltoall: the same routing; "
                                     "megatron-core's model uses the dispatcher named; flex needs DeepEP and stops"),
     "--expert-tensor-parallel-size": ("effect", "megatron-core's expert tensor parallelism (default: the TP size): "
                                       "each expert's linear layers split over the expert-TP group, expert "
@@ -407,42 +404,6 @@ FLAG_STATUS: dict[str, tuple[str, str]] = {
 }
 
 
-def require_mcore_model_for(args: argparse.Namespace) -> list[str]:
-    """The set flags that only megatron-core's GPTModel implements (empty with ``--model-provider mcore``).
-
-    Our own GPT (``--model-provider gpt``) cannot honour them, so a run that sets one stops at
-    start-up naming them (``validate_megatron_compat_args``). Each entry is ``--flag`` (value).
-    """
-    if args.model_provider == "mcore":
-        return []
-    needed = []
-    for flag, set_ in (
-        ("--multi-latent-attention", args.multi_latent_attention),
-        ("--moe-shared-expert-intermediate-size", args.moe_shared_expert_intermediate_size is not None),
-        ("--moe-router-pre-softmax", args.moe_router_pre_softmax),
-        ("--moe-router-group-topk", args.moe_router_group_topk is not None),
-        ("--moe-router-num-groups", args.moe_router_num_groups is not None),
-        ("--moe-router-topk-scaling-factor", args.moe_router_topk_scaling_factor is not None),
-        ("--moe-router-score-function sigmoid", args.moe_router_score_function != "softmax"),
-        ("--moe-router-enable-expert-bias", args.moe_router_enable_expert_bias),
-        ("--moe-router-dtype fp64", args.moe_router_dtype == "fp64"),
-        (f"--moe-router-load-balancing-type {' '.join(_balancing_types(args))}",
-         _balancing_types(args) != ["aux_loss"]),
-        (f"--position-embedding-type {args.position_embedding_type}",
-         args.position_embedding_type in ("mrope", "relative")),
-        ("--transformer-impl transformer_engine", args.transformer_impl == "transformer_engine"),
-        ("--transformer-impl inference_optimized", args.transformer_impl == "inference_optimized"),
-    ):
-        if set_:
-            needed.append(flag)
-    return needed
-
-
-def _balancing_types(args: argparse.Namespace) -> list[str]:
-    value = args.moe_router_load_balancing_type
-    return [value] if isinstance(value, str) else list(value)
-
-
 def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
@@ -465,17 +426,12 @@ def validate_megatron_compat_args(args: argparse.Namespace, fail: Callable[[str]
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
         fail(f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
     _check_moe_compat(args, fail)
-    needed = require_mcore_model_for(args)
-    if needed:
-        fail(f"{', '.join(needed)}: {_MCORE}; this run builds this front-end's own GPT (--model-provider gpt), "
-             "which does not implement it. Pass --model-provider mcore, or drop the flag")
 
 
 def _resolve_transformer_impl(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
     """Megatron's default is transformer_engine; left at the default it means local where that cannot run.
 
-    An explicit ``--transformer-impl transformer_engine`` without TransformerEngine stops; with
-    TransformerEngine and our own GPT it needs megatron-core's model (``require_mcore_model_for``).
+    An explicit ``--transformer-impl transformer_engine`` without TransformerEngine stops.
     """
     if args.transformer_impl != "transformer_engine":
         return
@@ -484,15 +440,15 @@ def _resolve_transformer_impl(args: argparse.Namespace, fail: Callable[[str], No
             fail("--transformer-impl transformer_engine needs TransformerEngine (pip install transformer-engine, "
                  "CUDA only), which is not installed; pass --transformer-impl local")
         return
-    if args.model_provider != "mcore" or not transformer_engine_available():
+    if not transformer_engine_available():
         args.transformer_impl = "local"
 
 
 def default_transformer_impl(args: argparse.Namespace) -> None:
     """Left at Megatron's default (transformer_engine), ``--transformer-impl`` means local without TransformerEngine.
 
-    Resolved before the model is chosen, so that ``--model-provider auto`` builds megatron-core's
-    model with its local layers on a machine without TransformerEngine instead of falling back.
+    Resolved before megatron-core's model is checked (``check_mcore_model``), so that it builds with its local
+    layers on a machine without TransformerEngine instead of stopping.
     """
     if (args.transformer_impl == "transformer_engine" and not _given(args, "--transformer-impl")
             and not transformer_engine_available()):

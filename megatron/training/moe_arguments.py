@@ -1,12 +1,11 @@
 """Mixture-of-Experts flags (Megatron-LM's names) and their validation.
 
 ``--num-experts E`` replaces every layer's MLP with an MoE layer of ``E`` experts
-(``megatron_fsdp.parallel.moe``); ``--expert-model-parallel-size P`` spreads them over
-``P`` ranks and ``--expert-tensor-parallel-size T`` (megatron-core's model; default: the TP size)
+(megatron-core's ``MoELayer``: router options, shared experts, both dispatchers; ``mcore_model.py``);
+``--expert-model-parallel-size P`` spreads them over
+``P`` ranks and ``--expert-tensor-parallel-size T`` (default: the TP size)
 splits each expert's linear layers over ``T`` (Megatron's layout: expert TP fastest, then EP), each
-expert sharded over the ``world / (T x P)`` ranks of its expert data-parallel group. docs/moe.md. With
-megatron-core's model (``--model-provider mcore``) the layers are megatron-core's
-``MoELayer`` (router options, shared experts, both dispatchers: ``mcore_model.py``).
+expert sharded over the ``world / (T x P)`` ranks of its expert data-parallel group. docs/moe.md.
 """
 
 from __future__ import annotations
@@ -58,8 +57,6 @@ def validate_moe_args(args: argparse.Namespace, world_size: int, fail: Callable[
         fail(f"--moe-ffn-hidden-size must be positive, got {args.moe_ffn_hidden_size}")
     if not (math.isfinite(args.moe_aux_loss_coeff) and args.moe_aux_loss_coeff >= 0):
         fail(f"--moe-aux-loss-coeff must be a finite number >= 0, got {args.moe_aux_loss_coeff}")
-    mcore = args.model_provider == "mcore"
-    ours = " on this front-end's own GPT (--model-provider gpt)"
     tp, etp = args.tensor_model_parallel_size, args.expert_tensor_parallel_size
     if etp != tp and ep == 1:
         # megatron-core marks expert parameters allreduce=False (reduced over the expert data-parallel group)
@@ -70,15 +67,9 @@ def validate_moe_args(args: argparse.Namespace, world_size: int, fail: Callable[
              "the expert data-parallel group) only under expert parallelism, and the dense data-parallel group "
              "would reduce other slices or miss replicas")
     unsupported = (
-        (tp > 1 and not mcore, "--tensor-model-parallel-size > 1" + ours + " (it has no tensor-parallel MoE; "
-         "megatron-core's model has one)"),
-        (tp > 1 and mcore and not args.sequence_parallel, "--tensor-model-parallel-size > 1 without "
+        (tp > 1 and not args.sequence_parallel, "--tensor-model-parallel-size > 1 without "
          "--sequence-parallel (megatron-core's MoELayer trains under TP only with sequence parallelism)"),
-        (etp > 1 and not mcore, f"--expert-tensor-parallel-size {etp}" + ours + " (its experts are whole; "
-         "megatron-core's model splits them over the expert tensor-parallel group)"),
         (args.context_parallel_size > 1, "--context-parallel-size > 1"),
-        (args.calculate_per_token_loss and not mcore, "--calculate-per-token-loss" + ours + " (its auxiliary loss is "
-         "scaled per micro-batch; megatron-core's model supports it)"),
     )
     for bad, what in unsupported:
         if bad:

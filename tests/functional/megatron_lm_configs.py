@@ -4,12 +4,10 @@
 (``tests/functional_tests/test_cases/{gpt,moe}/<name>/model_config.yaml``; YAML ``true`` written as the
 bare flag, ``${...}`` placeholders kept). ``cpu_scaled`` turns one into a command line for a few gloo
 ranks: sizes and data scaled down, and each GPU-only flag replaced by its CPU equivalent or dropped, by
-the rules of ``SCALED`` and ``REPLACED`` (docs/megatron.md lists them). Flags that only megatron-core's
-model implements (``MCORE_ONLY``: the DeepSeek proxy's multi-latent attention, shared experts and router
-options) are dropped from runs of this front-end's own GPT; with them our GPT stops at start-up naming
-them (``tests/unit/frontend/test_megatron_flags.py``). The functional suite runs every configuration on
-megatron-core's ``GPTModel`` (``cpu_scaled(..., mcore=True)``): the dense ones with its tensor-parallel
-layers, the MoE ones with its MoE layers, which take the shared-expert and router flags; the DeepSeek
+the rules of ``SCALED`` and ``REPLACED`` (docs/megatron.md lists them). The functional suite runs every
+configuration on megatron-core's ``GPTModel``, the front-end's only model: the dense ones with its
+tensor-parallel layers, the MoE ones with its MoE layers (under TP, with --calculate-per-token-loss), which
+take the shared-expert and router flags; the DeepSeek
 proxies' multi-latent attention runs through the front-end's CPU MLA spec (``megatron/training/mcore_mla.py``).
 """
 
@@ -230,20 +228,7 @@ REPLACED: dict[str, tuple[str, str]] = {
     "--fp8-param-gather": ("", "as --fp8-format"),
     "--overlap-moe-expert-parallel-comm": ("", "needs CUDA streams and pipeline scheduling"),
     "--delay-wgrad-compute": ("", "needs TransformerEngine"),
-    "--calculate-per-token-loss": ("", "with --num-experts on our own GPT only: its MoE has no per-token loss "
-                                   "(megatron-core's model keeps the flag)"),
-    "--tensor-model-parallel-size": ("--tensor-model-parallel-size 1", "with --num-experts on our own GPT only "
-                                     "(its MoE has no TP); megatron-core's model keeps the TP size"),
 }
-# megatron-core-only model flags (dropped from these runs of our own GPT; see the module docstring).
-MCORE_ONLY = (
-    "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
-    "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--moe-shared-expert-intermediate-size",
-    "--moe-router-load-balancing-type", "--moe-router-pre-softmax", "--moe-router-group-topk",
-    "--moe-router-num-groups", "--moe-router-topk-scaling-factor", "--moe-router-score-function",
-    "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
-)
-_MOE_ONLY = ("--calculate-per-token-loss", "--tensor-model-parallel-size")
 
 
 def _pieces(command: str) -> list[list[str]]:
@@ -262,27 +247,16 @@ def megatron_argv(name: str) -> list[str]:
     return MEGATRON_LM[name].split()
 
 
-def cpu_scaled(name: str, ckpt: str, *, drop_mcore_only: bool = True, mcore: bool = False) -> list[str]:
+def cpu_scaled(name: str, ckpt: str) -> list[str]:
     """The configuration scaled to CPU: ``ckpt`` holds its --save/--load, tensorboard and cache directories.
 
-    ``mcore``: for megatron-core's model (``--model-provider mcore``), keeping what it implements
-    (multi-latent attention, shared experts, router options) and --calculate-per-token-loss.
+    Every model flag is kept (megatron-core's GPTModel implements multi-latent attention, shared experts,
+    the router options, --calculate-per-token-loss; its MoELayer runs under TP with --sequence-parallel, at
+    Megatron's default expert TP size: the TP size).
     """
-    pieces = _pieces(MEGATRON_LM[name])
-    moe = any(p[0] == "--num-experts" for p in pieces)
-    argv: list[str] = ["--model-provider", "mcore"] if mcore else []
-    for flag, *values in pieces:
-        if flag in (() if mcore else MCORE_ONLY if drop_mcore_only else ()):
-            continue
-        if mcore and flag == "--calculate-per-token-loss":
-            argv.append(flag)
-        elif mcore and moe and flag == "--tensor-model-parallel-size":
-            # megatron-core's MoELayer under TP (with --sequence-parallel): TP kept, and with it Megatron's default
-            # expert TP size (the TP size: each expert split over the TP ranks)
-            argv += [flag, *values]
-        elif flag in _MOE_ONLY and not moe:
-            argv += [flag, *values]
-        elif flag in REPLACED:
+    argv: list[str] = ["--model-provider", "mcore"]
+    for flag, *values in _pieces(MEGATRON_LM[name]):
+        if flag in REPLACED:
             argv += REPLACED[flag][0].split()
         elif flag in SCALED:
             argv += [flag, SCALED[flag]]

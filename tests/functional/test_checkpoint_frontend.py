@@ -29,8 +29,7 @@ from tests.distributed.harness import error_on_every_rank, spawn_and_collect
 
 TINY = ("--mock-data --vocab-size 60 --num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 8 --log-interval 1 --use-megatron-fsdp "
-        "--data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor "
-        "--model-provider gpt").split()  # the project's own GPT, as before megatron-core was installed (issue 37)
+        "--data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor").split()
 
 
 def _cases(tmp: str) -> list[tuple[str, list[str], object]]:

@@ -5,7 +5,8 @@ Each reference run trains 8 iterations without interruption and saves at iterati
 resumed at other layouts, and the resumed iterations 5-8 must continue the
 reference's curve: bitwise at the same layout, within 1e-5 relative at another
 (the arithmetic of a TP slice differs in rounding). Fused weights are in the
-model (SwiGLU ``fc1``, grouped-query QKV), and the output layer is untied.
+model (megatron-core's GPTModel: SwiGLU ``linear_fc1``, grouped-query ``linear_qkv``), and the output layer is
+untied.
 
 The 4-rank group runs first and leaves its checkpoints; a 2-rank group then resumes
 the TP2 x DP2 one at TP2 x DP1. The DDP baseline's TP2 checkpoint resumes under FSDP
@@ -36,16 +37,16 @@ BASE = ("--mock-data --vocab-size 60 --make-vocab-size-divisible-by 32 --num-lay
         "--num-attention-heads 4 --group-query-attention --num-query-groups 2 --swiglu "
         "--untie-embeddings-and-output-weights "
         "--seq-length 16 --micro-batch-size 2 --global-batch-size 8 --log-interval 1 --train-iters 8 "
-        "--attention-dropout 0 --hidden-dropout 0 --lr 1e-3 "
-        # the project's own GPT, as before megatron-core was installed, until issue 37 moves these layouts
-        "--model-provider gpt").split()
+        "--attention-dropout 0 --hidden-dropout 0 --lr 1e-3").split()
 FSDP = "--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy optim_grads_params".split()
 DP = FSDP  # TP 1, data parallelism alone (ZeRO-3)
 DDP_TP2 = ["--tensor-model-parallel-size", "2"]  # the DDP baseline (it saves the same format)
 TP2 = [*FSDP, *DDP_TP2]
 HSDP = ["--num-distributed-optimizer-instances", "2"]
 CP2 = ["--context-parallel-size", "2"]
-MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01".split()
+# SwiGLU experts (BASE) without biases: megatron-core 0.16.1's fused weighted SwiGLU has none
+MOE = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01 "
+       "--disable-bias-linear").split()
 EP1 = [*FSDP, *MOE]
 EP2 = [*EP1, "--expert-model-parallel-size", "2"]
 RTOL = 1e-5
@@ -198,10 +199,15 @@ def test_export_of_a_model_parallel_checkpoint_is_the_unsplit_model(runs, tmp, s
         exported[name] = torch.load(output, weights_only=True)
     assert sorted(exported[split]) == sorted(exported[unsplit])
     if split == "tp2":
-        assert exported[split]["layers.0.attention.qkv.weight"].shape == (64, 32)  # 4 query + 2 x 2 KV heads of 8
-        assert exported[split]["layers.0.mlp.fc1.weight"].shape == (256, 32)  # [gate | up] of 128 each
+        # 4 query + 2 x 2 KV heads of 8
+        assert exported[split]["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (64, 32)
+        assert exported[split]["decoder.layers.0.mlp.linear_fc1.weight"].shape == (256, 32)  # [gate | up] of 128
     else:
-        assert "layers.1.mlp.local_experts.3.fc1_weight" in exported[split]  # experts by global index
+        assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight" in exported[split]  # global index
+        # Not compared by value: megatron-core draws each EP rank's local experts in turn from the generator, so an EP2
+        # build starts from other expert (and later-layer) weights than the EP1 build of the same seed. The EP
+        # conversions of a checkpoint are checked by the resumes above (EP2 <-> EP1 continue the curve).
+        return
     for key, value in exported[unsplit].items():
         assert torch.equal(exported[split][key], value), key
 
@@ -209,7 +215,7 @@ def test_export_of_a_model_parallel_checkpoint_is_the_unsplit_model(runs, tmp, s
 def test_tp_checkpoint_into_other_shapes_names_the_parameter(runs):
     error = error_on_every_rank(runs["4"], "wider_mlp")
     # a usage error (printed once, no traceback) that is still the library's CheckpointMismatchError
-    assert error.startswith("LoadMismatchError: ") and "model.layers.0.mlp.fc1.weight" in error, error
+    assert error.startswith("LoadMismatchError: ") and "model.decoder.layers.0.mlp.linear_fc1.weight" in error, error
     assert "checkpoint (256, 32), model (512, 32)" in error, error
     # The advice is in command-line terms: strict=False is no flag (issue 25).
     assert "strict=False" not in error and "--no-load-args-check let model arguments differ" in error, error

@@ -104,9 +104,8 @@ def test_config(runs, golden, name):
     losses = {int(k): v for k, v in result["lm loss"].items()}
     assert sorted(losses) == list(range(config.first_iteration, config.last_iteration + 1)), sorted(losses)
     assert " iteration " in result["log"] and "lm loss:" in result["log"], result["log"]
-    assert result["model"] == ("megatron.core.models.gpt.gpt_model.GPTModel" if config.mcore
-                               else "megatron.training.gpt_model.GPTModel"), result["model"]
-    if config.mcore and "--num-experts" in config.flags:  # megatron-core's tracked MoE loss in the log line
+    assert result["model"] == "megatron.core.models.gpt.gpt_model.GPTModel", result["model"]
+    if "--num-experts" in config.flags:  # megatron-core's tracked MoE loss in the log line
         assert "load_balancing_loss: " in result["log"], result["log"]
     if name in golden:
         expected = golden[name]

@@ -13,9 +13,10 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from megatron.training.gpt_model import GPTConfig, GPTModel, TransformerLayer
 from megatron_fsdp import FSDPModule, microbatch
 from megatron_fsdp.mcore import FullyShardedDataParallel
 from tests.distributed.core.engine_checks import expect_error
@@ -42,11 +43,55 @@ def model_config(**fields):
     return SimpleNamespace(**{"calculate_per_token_loss": False, "init_model_with_meta_device": False, **fields})
 
 
-def tiny_gpt() -> GPTModel:
+class MLP(nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class TransformerLayer(nn.Module):
+    """A pre-norm causal transformer layer; the adapter's default unit is any class of this name (a user's model:
+    this suite runs without megatron-core too; megatron-core's own GPTModel under the adapter: mcore_model_checks)."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.input_norm, self.qkv, self.proj = nn.LayerNorm(hidden), nn.Linear(hidden, 3 * hidden), nn.Linear(hidden,
+                                                                                                          hidden)
+        self.mlp_norm, self.mlp = nn.LayerNorm(hidden), MLP(hidden, ffn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.input_norm(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TinyGPT(nn.Module):
+    """A plain-PyTorch GPT: embeddings, layers, final norm, untied output layer; per-token losses."""
+
+    def __init__(self, vocab: int = 23, hidden: int = 16, heads: int = 2, ffn: int = 24, layers: int = 2,
+                 max_positions: int = 12) -> None:
+        super().__init__()
+        self.word_embeddings, self.position_embeddings = nn.Embedding(vocab, hidden), nn.Embedding(max_positions,
+                                                                                                   hidden)
+        self.layers = nn.ModuleList(TransformerLayer(hidden, heads, ffn) for _ in range(layers))
+        self.final_norm, self.output_layer = nn.LayerNorm(hidden), nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(tokens) + self.position_embeddings(torch.arange(tokens.shape[1]))
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.output_layer(self.final_norm(x))
+        return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+
+
+def tiny_gpt() -> TinyGPT:
     torch.manual_seed(7)
-    return GPTModel(GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=23,
-                              max_position_embeddings=12, ffn_hidden_size=24, attention_dropout=0.0,
-                              hidden_dropout=0.0))
+    return TinyGPT()
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +106,7 @@ def loss_of(model, step: int) -> torch.Tensor:
     return model(tokens, labels=labels).mean()
 
 
-def adapter(strategy: str, base: GPTModel, config=None, **ddp_fields) -> FullyShardedDataParallel:
+def adapter(strategy: str, base: nn.Module, config=None, **ddp_fields) -> FullyShardedDataParallel:
     ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
                                                **ddp_fields)
     return FullyShardedDataParallel(config or model_config(), ddp_config, copy.deepcopy(base))

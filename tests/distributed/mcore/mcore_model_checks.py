@@ -410,7 +410,7 @@ def pretrain_gpt_trains_and_resumes_megatron_core_model() -> None:
               "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
               "--ckpt-format", "fsdp_dtensor", "--train-iters", "6"]
     full, log = _pretrain(common)
-    assert "building megatron-core GPTModel (local layer spec, CPU compatibility layer): --model-provider auto" \
+    assert "building megatron-core GPTModel (local layer spec, CPU compatibility layer)" \
         in log or dist.get_rank() != 0, log[:2000]
     losses = [full.losses[i] for i in sorted(full.losses)]
     assert losses[-1] < losses[0], losses
@@ -426,8 +426,6 @@ def pretrain_gpt_trains_and_resumes_megatron_core_model() -> None:
     bf16 = [*common[:-2], "--train-iters", "3", "--bf16"]  # bf16 weights: megatron-core's casts replayed too
     eager_bf16, meta_bf16 = _pretrain(bf16)[0], _pretrain([*bf16, "--init-model-with-meta-device"])[0]
     assert meta_bf16.losses == eager_bf16.losses, (meta_bf16.losses, eager_bf16.losses)
-    gpt, log = _pretrain([*common[:-2], "--train-iters", "2", "--model-provider", "gpt"])
-    assert "building the project's own GPT" in log or dist.get_rank() != 0, log[:2000]
 
 
 @check(SUITE, world_sizes=(2,))
@@ -462,7 +460,7 @@ def cpu_compat_patches_fit_the_installed_megatron_core() -> None:
         with tensor_parallel.get_cuda_rng_tracker().fork():
             drawn = torch.rand(4)
         assert torch.equal(drawn, torch.rand(4, generator=torch.Generator().manual_seed(seed + 2718 + tp_rank)))
-        # the project's own GPT seeds its model-parallel RNG by the same rule: the same state on this TP rank
+        # rng_tracker.py's model-parallel RNG is seeded by the same rule: the same state on this TP rank
         model_parallel_manual_seed(seed, tp_rank)
         ours = get_model_parallel_rng_tracker().get_states()
         get_model_parallel_rng_tracker().reset()
@@ -479,26 +477,25 @@ def cpu_compat_patches_fit_the_installed_megatron_core() -> None:
 
 @check(SUITE, world_sizes=(2,))
 def model_choice_names_the_cause() -> None:
-    """auto: megatron-core's model where it can run, else the project's GPT with the reason; mcore: an error."""
+    """megatron-core's model, always (auto is the same); where it cannot run, start-up stops naming the flag."""
     from megatron.training.arguments import ArgumentError
 
     def args_for(*flags: str):
         return validate_args(parse_args(["--mock-data", "--vocab-size", "64", *flags]), dist.get_world_size())
 
-    auto = args_for()
-    assert auto.model_provider == "mcore" and "megatron-core 0.16.1 is installed" in auto.model_provider_reason
+    assert args_for().model_provider == "mcore" and args_for("--model-provider", "auto").model_provider == "mcore"
     assert args_for("--context-parallel-size", "2").model_provider == "mcore", "CP: mcore_cp_attention.py"
-    for flags, cause in ((["--num-experts", "2"], "--num-experts"),):
-        fallback = args_for(*flags)
-        assert fallback.model_provider == "gpt" and cause in fallback.model_provider_reason, vars(fallback)
-        try:
-            args_for(*flags, "--model-provider", "mcore")
-        except ArgumentError as error:
-            assert cause in str(error) and "--model-provider gpt" in str(error), error
-        else:
-            raise AssertionError(f"--model-provider mcore with {flags} should stop")
-    for flags in (["--num-experts", "2", "--no-bias-gelu-fusion"], ["--num-experts", "2", "--swiglu",
-                                                                   "--disable-bias-linear"]):
+    for flags, cause in ((["--num-experts", "2", "--disable-bias-linear"], "pass --no-bias-gelu-fusion"),
+                         (["--num-experts", "2", "--swiglu"], "pass --disable-bias-linear")):
+        for provider in ([], ["--model-provider", "auto"]):
+            try:
+                args_for(*flags, *provider)
+            except ArgumentError as error:
+                assert cause in str(error) and "megatron-core's GPTModel" in str(error), error
+            else:
+                raise AssertionError(f"{flags} {provider} should stop")
+    for flags in (["--num-experts", "2", "--disable-bias-linear", "--no-bias-gelu-fusion"],
+                  ["--num-experts", "2", "--swiglu", "--disable-bias-linear"]):
         assert args_for(*flags).model_provider == "mcore", f"megatron-core's MoELayer runs {flags}"
     meta = args_for("--use-megatron-fsdp", "--init-model-with-meta-device")  # mcore_meta_init.py initialises it
     assert meta.model_provider == "mcore", vars(meta)
@@ -506,7 +503,8 @@ def model_choice_names_the_cause() -> None:
         assert args_for("--bf16", *backend).model_provider == "mcore", f"--bf16 with {backend} runs megatron-core"
     # megatron-core's MoELayer under TP: with --sequence-parallel, experts split over the expert TP group (Megatron's
     # default: the TP size); whole experts (--expert-tensor-parallel-size 1) only under expert parallelism
-    moe_tp = ["--num-experts", "2", "--no-bias-gelu-fusion", "--tensor-model-parallel-size", "2"]
+    moe_tp = ["--num-experts", "2", "--disable-bias-linear", "--no-bias-gelu-fusion", "--tensor-model-parallel-size",
+              "2"]
     for flags, cause in (([], "without --sequence-parallel"),
                          (["--sequence-parallel", "--expert-tensor-parallel-size", "1"],
                           "needs --expert-model-parallel-size > 1")):
@@ -1065,8 +1063,7 @@ def deepseek_proxy_builds_multi_latent_attention() -> None:
     root = tempfile.mkdtemp() if dist.get_rank() == 0 else None
     holder = [root]
     dist.broadcast_object_list(holder)
-    argv = _without_moe(cpu_scaled("deepseek_proxy_fsdp_ep2_fsdp2", os.path.join(holder[0], "ds"),
-                                   drop_mcore_only=False))
+    argv = _without_moe(cpu_scaled("deepseek_proxy_fsdp_ep2_fsdp2", os.path.join(holder[0], "ds")))
     assert "--multi-latent-attention" in argv and "--q-lora-rank" in argv and "--num-experts" not in argv, argv
     built = []
 

@@ -14,8 +14,8 @@ from tests.unit.test_without_megatron_core import blocked_env
 
 
 def ddp_config_from_args(args):
-    """model_setup's (imported here, not at the top: test_model_provider_without_megatron_core imports this module
-    where megatron-core is blocked, and model_setup imports megatron-core's scheduler)."""
+    """model_setup's (imported here, not at the top: test_without_megatron_core_start_up_stops_naming_how_to_get_it
+    imports this module where megatron-core is blocked, and model_setup imports megatron-core's scheduler)."""
     from megatron.training.model_setup import ddp_config_from_args as from_args
 
     return from_args(args)
@@ -121,24 +121,22 @@ def test_nan_check_on_by_default_and_timeout_flag():
     assert args_for("--distributed-timeout-minutes", "3").distributed_timeout_minutes == 3
 
 
-def test_model_provider_without_megatron_core():
-    """auto builds the project's own GPT where megatron-core cannot be imported and says why, with how to get it;
-    mcore stops, naming it. Run in a subprocess whose megatron.core import is blocked (tests/no_megatron_core/):
-    megatron-core is installed here. (With megatron-core: tests/distributed/mcore/mcore_model_checks.py.)"""
+def test_without_megatron_core_start_up_stops_naming_how_to_get_it():
+    """megatron-core's GPTModel is the model: where megatron-core cannot be imported, validation stops saying how
+    to install it (no other model is built). Run in a subprocess whose megatron.core import is blocked
+    (tests/no_megatron_core/): megatron-core is installed here."""
     script = (
         "import pytest\n"
         "from megatron.training.arguments import ArgumentError\n"
         "from tests.unit.frontend.test_frontend_arguments import args_for\n"
         "from megatron.training.mcore_cpu_compat import MCORE_VERSION\n"
-        "args = args_for()\n"
-        "assert args.model_provider == 'gpt', args.model_provider\n"
-        "assert 'megatron-core is not installed' in args.model_provider_reason, args.model_provider_reason\n"
-        "assert f'pip install megatron-core=={MCORE_VERSION}' in args.model_provider_reason\n"
-        "assert 'PYTHONPATH' not in args.model_provider_reason, args.model_provider_reason\n"
-        "assert args_for('--model-provider', 'gpt').model_provider_reason == '--model-provider gpt'\n"
-        "with pytest.raises(ArgumentError, match='--model-provider mcore cannot build .*megatron-core is not "
-        "installed'):\n"
-        "    args_for('--model-provider', 'mcore')\n"
+        "for flags in ((), ('--model-provider', 'mcore'), ('--model-provider', 'auto')):\n"
+        "    with pytest.raises(ArgumentError) as info:\n"
+        "        args_for(*flags)\n"
+        "    message = str(info.value)\n"
+        "    assert message.startswith(\"megatron-core's GPTModel (the model pretrain_gpt.py builds) cannot run \"\n"
+        "                              'this here: megatron-core is not installed'), message\n"
+        "    assert f'pip install megatron-core=={MCORE_VERSION}' in message and 'PYTHONPATH' not in message\n"
         "print('OK')\n"
     )
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=blocked_env(), capture_output=True,
@@ -146,14 +144,58 @@ def test_model_provider_without_megatron_core():
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout[-2000:] + out.stderr[-3000:]
 
 
-def test_model_provider_with_megatron_core_installed():
-    """megatron-core is a dependency installed with the front-end: auto builds its GPTModel for plain DP, and under
-    context parallelism (the front-end's CP core attention, mcore_cp_attention.py)."""
-    args = args_for()
-    assert args.model_provider == "mcore", args.model_provider_reason
-    cp = args_for("--context-parallel-size", "2", world_size=4)
-    assert cp.model_provider == "mcore", cp.model_provider_reason
-    assert args_for("--context-parallel-size", "2", "--model-provider", "mcore", world_size=4).model_provider == "mcore"
+def test_model_provider_is_megatron_core_and_auto_is_its_synonym():
+    """mcore (the default) and auto (the old default) both build megatron-core's GPTModel, also under context
+    parallelism (the front-end's CP core attention, mcore_cp_attention.py)."""
+    assert args_for().model_provider == "mcore"
+    assert args_for("--model-provider", "auto").model_provider == "mcore"
+    assert args_for("--model-provider", "mcore", "--context-parallel-size", "2", world_size=4).model_provider == "mcore"
+
+
+@pytest.mark.parametrize("value,message", [
+    ("gpt", "argument --model-provider: --model-provider gpt: the project's own GPT (megatron/training/gpt_model.py) "
+            "was removed; megatron-core's GPTModel is the model. Pass --model-provider mcore (the default) or "
+            "leave the flag out"),
+    ("own", "argument --model-provider: --model-provider 'own': valid values are mcore (the default) and auto"),
+])
+def test_model_provider_gpt_is_a_usage_error_at_parse_time(capsys, value, message):
+    with pytest.raises(SystemExit) as info:
+        parse_args([*BASE, "--model-provider", value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage:" in err, err
+
+
+BIASES = ("--num-experts with biases: megatron-core 0.16.1's experts add their output bias in place on a view autograd "
+          "refuses at the first forward (pass --disable-bias-linear)")
+GELU = ("--num-experts with GeLU experts: megatron-core fuses the bias-GeLU only without the router's per-token "
+        "probabilities (pass --no-bias-gelu-fusion")
+
+
+@pytest.mark.parametrize("flags,causes,runs_with", [
+    (["--num-experts", "2"], [BIASES, GELU], ["--disable-bias-linear", "--no-bias-gelu-fusion"]),
+    (["--num-experts", "2", "--disable-bias-linear"], [GELU], ["--no-bias-gelu-fusion"]),
+    (["--num-experts", "2", "--no-bias-gelu-fusion"], [BIASES], ["--disable-bias-linear"]),
+    (["--num-experts", "2", "--swiglu"], [BIASES], ["--disable-bias-linear"]),
+])
+def test_what_megatron_core_cannot_run_stops_naming_the_flag(flags, causes, runs_with):
+    """No fallback: validation fails with every blocker's message, each naming the flag to change."""
+    with pytest.raises(ArgumentError) as info:
+        args_for(*flags)
+    message = str(info.value)
+    assert message.startswith("megatron-core's GPTModel (the model pretrain_gpt.py builds) cannot run this here: ")
+    assert all(cause in message for cause in causes) and message.count("(pass --") == len(causes), message
+    assert args_for(*flags, *runs_with).model_provider == "mcore"
+
+
+def test_transformer_engine_asked_for_and_absent_stops_naming_the_flag():
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("TransformerEngine is installed")
+    with pytest.raises(ArgumentError, match="--transformer-impl transformer_engine needs TransformerEngine.*"
+                                            "pass --transformer-impl local"):
+        args_for("--transformer-impl", "transformer_engine")
 
 
 def test_needs_data():

@@ -1,5 +1,6 @@
-"""The front-end's GPT and LR schedule (megatron-core's OptimizerParamScheduler as the front-end builds it):
-variants run, meta-init equals eager init, schedule shapes, weight-decay groups, the check at --load."""
+"""The front-end's model (megatron-core's GPTModel from the flags) and LR schedule (megatron-core's
+OptimizerParamScheduler as the front-end builds it): variants train, attention is causal, schedule shapes,
+weight-decay groups, the check at --load. Meta-device init of megatron-core's model: tests/distributed/mcore."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron.training.errors import UsageValueError
-from megatron.training.gpt_model import GPTConfig, GPTModel, TransformerLayer
 from megatron.training.model_setup import build_adamw, build_optimizer_param_scheduler, check_scheduler_state
+from tests.unit.frontend.mcore_helpers import small
 
 
 def scheduler_for(optimizer: torch.optim.Optimizer, *, max_lr: float, min_lr: float, warmup_steps: int,
@@ -33,71 +34,54 @@ def _stepped(sched: OptimizerParamScheduler) -> float:
     return sched.optimizer.param_groups[0]["lr"]
 
 
-def small(**overrides) -> GPTConfig:
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=50, max_position_embeddings=16,
-                attention_dropout=0.0, hidden_dropout=0.0)
-    return GPTConfig(**{**base, **overrides})
-
-
-@pytest.mark.parametrize("overrides", [
-    {}, {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True},
-    {"num_query_groups": 2, "untie_embeddings_and_output_weights": True, "ffn_hidden_size": 40},
+@pytest.mark.parametrize("flags", [
+    (), ("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu"),
+    ("--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
+     "--ffn-hidden-size", "40"),
 ])
-def test_variants_train(overrides):
+def test_variants_train(one_gloo_rank, flags):
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
     torch.manual_seed(0)
-    model = GPTModel(small(**overrides))
+    model = small(*flags)
     tokens = torch.randint(0, 50, (2, 16))
-    losses = model(tokens[:, :-1], labels=tokens[:, 1:])
+    positions = torch.arange(15).expand(2, 15)
+    losses = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:])
     assert losses.shape == (2, 15)
     losses.mean().backward()
     assert all(p.grad is not None for p in model.parameters())
     assert len([m for m in model.modules() if isinstance(m, TransformerLayer)]) == 2
-    assert (model.output_layer is None) == (not overrides.get("untie_embeddings_and_output_weights", False))
+    assert (model.output_layer.weight is None) == ("--untie-embeddings-and-output-weights" not in flags)
 
 
-def test_causal():
+def test_causal(one_gloo_rank):
     torch.manual_seed(0)
-    model = GPTModel(small(position_embedding_type="rope")).eval()
+    model = small("--position-embedding-type", "rope").eval()
     tokens = torch.randint(0, 50, (1, 10))
+    positions = torch.arange(10).expand(1, 10)
     changed = tokens.clone()
     changed[0, 7] = (changed[0, 7] + 1) % 50
-    a, b = model(tokens), model(changed)
+    with torch.no_grad():
+        a, b = model(tokens, positions, None), model(changed, positions, None)
     torch.testing.assert_close(a[:, :7], b[:, :7])
     assert not torch.allclose(a[:, 7:], b[:, 7:])
 
 
-def test_megatron_init_and_meta_equals_eager():
-    torch.manual_seed(3)
-    eager = GPTModel(small(num_layers=4, init_method_std=0.05))
-    assert abs(eager.layers[0].attention.qkv.weight.std().item() - 0.05) < 0.01
-    assert abs(eager.layers[0].mlp.fc2.weight.std().item() - 0.05 / 8**0.5) < 0.005
-    assert torch.all(eager.layers[0].mlp.fc1.bias == 0)
-    with torch.device("meta"):
-        meta = GPTModel(small(num_layers=4, init_method_std=0.05))
-    meta = meta.to_empty(device="cpu")
-    torch.manual_seed(3)
-    for module in meta.modules():  # pre-order, what megatron_fsdp.materialize_meta does
-        if hasattr(module, "reset_parameters") and next(module.parameters(recurse=False), None) is not None:
-            module.reset_parameters()
-    for (name, a), (_, b) in zip(eager.named_parameters(), meta.named_parameters()):
-        assert torch.equal(a, b), name
-
-
-def test_config_errors():
-    with pytest.raises(ValueError, match="--num-query-groups"):
-        small(num_query_groups=3)
-    with pytest.raises(ValueError, match="--hidden-size"):
-        small(hidden_size=30)
-    with pytest.raises(ValueError, match="max-position-embeddings"):
-        GPTModel(small())(torch.zeros(1, 20, dtype=torch.long))
-    # API users get the flag checks too: 0 is not "the default", a bad std or dropout names its flag
-    for overrides, flag in (({"ffn_hidden_size": 0}, "--ffn-hidden-size must be positive, got 0"),
-                            ({"num_query_groups": 0}, "--num-query-groups must be positive"),
-                            ({"init_method_std": -0.1}, "--init-method-std"),
-                            ({"attention_dropout": 1.5}, r"--attention-dropout must be in \[0, 1\)"),
-                            ({"hidden_dropout": -0.5}, "--hidden-dropout")):
-        with pytest.raises(ValueError, match=flag):
-            small(**overrides)
+def test_megatron_core_model_honours_the_cheap_architecture_flags(one_gloo_rank):
+    torch.manual_seed(0)
+    model = small("--kv-channels", "4", "--disable-bias-linear", "--qk-layernorm", "--norm-epsilon", "1e-6",
+                  "--normalization", "RMSNorm", "--num-experts", "2", "--moe-layer-freq", "[0,1]",
+                  "--position-embedding-type", "none", "--no-bias-gelu-fusion")
+    layers = model.decoder.layers
+    attn = layers[0].self_attention
+    assert attn.linear_qkv.weight.shape == (3 * 4 * 4, 32) and attn.linear_proj.weight.shape == (32, 16)  # kv-channels
+    assert attn.linear_qkv.bias is None and attn.linear_proj.bias is None and layers[0].mlp.linear_fc1.bias is None
+    assert attn.q_layernorm.eps == 1e-6 and attn.q_layernorm.weight.shape == (4,)
+    assert type(layers[0].mlp).__name__ == "MLP" and type(layers[1].mlp).__name__ == "MoELayer"
+    assert not hasattr(model.embedding, "position_embeddings")
+    tokens = torch.randint(0, 50, (2, 16))
+    losses = model(tokens, torch.arange(16).expand(2, 16), None, labels=tokens)
+    assert losses.shape == (2, 16) and torch.isfinite(losses).all()
 
 
 @pytest.mark.parametrize("style", ["constant", "linear", "cosine"])
@@ -183,12 +167,12 @@ def test_scheduler_state_saved_before_megatron_cores_loads():
 
 
 def test_mcore_provider_builds_megatron_core_gpt(nccl_group):
-    """--model-provider mcore: megatron-core's GPTModel (runs only where megatron-core and CUDA are)."""
+    """megatron-core's GPTModel on CUDA (runs only where CUDA is)."""
     pytest.importorskip("megatron.core", reason="megatron-core is not on this environment's path")
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.mcore_model import mcore_gpt_model
 
-    args = validate_args(parse_args(["--mock-data", "--vocab-size", "63", "--model-provider", "mcore",
+    args = validate_args(parse_args(["--mock-data", "--vocab-size", "63",
                                      "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]), 1)
     args.padded_vocab_size = 64
     model = mcore_gpt_model(args).cuda()

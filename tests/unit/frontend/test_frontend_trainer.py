@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import copy
 import inspect
 import math
 import sys
@@ -18,7 +17,6 @@ from megatron.training import trainer
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.backends import DataParallelBackend, DDPBackend, FSDPBackend
 from megatron.training.config import FrozenArgs, RunState, TrainingConfig, freeze_args, init_num_microbatches
-from megatron.training.gpt_model import GPTConfig, GPTModel
 from megatron.training.model_setup import build_adamw
 from megatron.training.parallel_state import ParallelLayout
 from megatron.training.trainer import Trainer
@@ -97,19 +95,36 @@ class RecordingBackend(DataParallelBackend):
 
 
 def _forward_step(batch: dict, model: torch.nn.Module):
-    return model(batch["tokens"], labels=batch["labels"]), batch["loss_mask"]
+    positions = torch.arange(batch["tokens"].shape[1]).expand_as(batch["tokens"])
+    return model(batch["tokens"], positions, None, labels=batch["labels"]), batch["loss_mask"]
 
 
-def test_trainer_drives_any_backend_and_trains_like_a_plain_loop(one_rank, monkeypatch):
+@pytest.fixture
+def mcore_rank(gloo_rank):
+    """A one-rank gloo group (megatron-core lays out gloo groups of its own: not on the fake backend) whose
+    megatron-core parallel state is destroyed after the test."""
+    yield
+    from megatron.training.mcore_model import destroy_mcore_parallel
+
+    destroy_mcore_parallel()
+
+
+def test_trainer_drives_any_backend_and_trains_like_a_plain_loop(mcore_rank, monkeypatch):
     args = validate_args(parse_args(FLAGS), 1)
     args.padded_vocab_size = 50  # what pretrain derives from the tokenizer
     args.num_microbatches = init_num_microbatches(args)
     args = freeze_args(args)
     config = TrainingConfig.from_args(args)
     torch.manual_seed(0)
-    model = GPTModel(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=50,
-                               max_position_embeddings=8, attention_dropout=0.0, hidden_dropout=0.0))
-    reference = copy.deepcopy(model)
+    from megatron.training.mcore_model import mcore_gpt_model
+
+    model_args = validate_args(parse_args([*FLAGS, "--attention-dropout", "0", "--hidden-dropout", "0"]), 1)
+    model_args.padded_vocab_size = 50
+    model = mcore_gpt_model(model_args)  # megatron-core's GPTModel, as pretrain_gpt.py builds it
+    torch.manual_seed(0)
+    reference = mcore_gpt_model(model_args)  # a second build from the same seed (it holds process groups: no deepcopy)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
     g = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(config.train_iters * config.num_microbatches):
@@ -151,7 +166,12 @@ def test_trainer_drives_any_backend_and_trains_like_a_plain_loop(one_rank, monke
             masked = (losses.float() * mask).sum()
             (masked / mask.sum() / 2).backward()
             mean_sum += masked.item() / mask.sum().item()
-        norm = torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 0.5)
+        # Megatron's global norm (get_grad_norm_fp32): the square root of the summed squared per-tensor norms, then
+        # torch's clipping by it (torch's clip_grad_norm_ takes the norm of the norms: other rounding, 1 ulp apart
+        # here on megatron-core's model)
+        grads = [p.grad for p in reference.parameters() if p.grad is not None]
+        norm = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]).sum() ** 0.5
+        torch.nn.utils.clip_grads_with_norm_(list(reference.parameters()), 0.5, norm)
         ref_opt.step()
         assert result.losses[it] == mean_sum / 2 and result.grad_norms[it] == float(norm), it
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from megatron.training.gpt_model import GPTConfig, GPTModel
-from megatron_fsdp.parallel.moe import MoELayer
+from tests.unit.frontend.mcore_helpers import small
 
 BASE = ["--mock-data", "--vocab-size", "64"]
-MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+# GeLU experts as megatron-core 0.16.1 runs them: without biases, the bias-GeLU unfused (mcore_model.mcore_blockers)
+EXPERTS = ["--disable-bias-linear", "--no-bias-gelu-fusion"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", *EXPERTS]
 
 
 def args_for(*flags: str, world_size: int = 4):
@@ -35,20 +36,19 @@ def test_hsdp_with_expert_parallelism_is_accepted():
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 needs --num-experts"),
     ([*MOE, "--use-megatron-fsdp", "--expert-model-parallel-size", "3"],
      "--expert-model-parallel-size (3) must be >= 1 and divide the world size (4)"),
-    (["--num-experts", "6", "--use-megatron-fsdp", "--expert-model-parallel-size", "4"],
+    (["--num-experts", "6", *EXPERTS, "--use-megatron-fsdp", "--expert-model-parallel-size", "4"],
      "--num-experts (6) must be divisible by --expert-model-parallel-size (4)"),
-    (["--num-experts", "2", "--moe-router-topk", "3"], "--moe-router-topk (3) must be between 1 and --num-experts (2)"),
+    (["--num-experts", "2", "--moe-router-topk", "3", *EXPERTS],
+     "--moe-router-topk (3) must be between 1 and --num-experts (2)"),
     ([*MOE, "--expert-model-parallel-size", "2"], "--expert-model-parallel-size > 1 needs --use-megatron-fsdp"),
-    ([*MOE, "--tensor-model-parallel-size", "2"], "--num-experts with --tensor-model-parallel-size > 1"),
+    ([*MOE, "--tensor-model-parallel-size", "2"],
+     "--num-experts with --tensor-model-parallel-size > 1 without --sequence-parallel"),
     ([*MOE, "--context-parallel-size", "2"], "--num-experts with --context-parallel-size > 1"),
-    ([*MOE, "--calculate-per-token-loss"], "--num-experts with --calculate-per-token-loss"),
     ([*MOE, "--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff must be a finite number >= 0"),
     ([*MOE, "--use-megatron-fsdp", "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "2"],
      "--expert-model-parallel-size (4) x --expert-tensor-parallel-size (2) must divide the world size (4)"),
     ([*MOE, "--expert-tensor-parallel-size", "2"],
      "--expert-tensor-parallel-size 2 other than --tensor-model-parallel-size (1) needs --expert-model-parallel-size"),
-    ([*MOE, "--use-megatron-fsdp", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
-     "--num-experts with --expert-tensor-parallel-size 2 on this front-end's own GPT"),
 ])
 def test_rejected(flags, message):
     with pytest.raises(ArgumentError) as info:
@@ -56,21 +56,31 @@ def test_rejected(flags, message):
     assert message in str(info.value)
 
 
-def test_moe_gpt_trains_its_router_and_is_reproducible():
-    """The MoE GPT builds and runs, the router gets gradients, and one seed gives the same weights twice."""
-    config = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=4, vocab_size=32, max_position_embeddings=8,
-                       num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8, moe_aux_loss_coeff=0.01,
-                       attention_dropout=0.0, hidden_dropout=0.0)
+def test_accepted_on_megatron_cores_moe_layer():
+    """What megatron-core's MoELayer runs: per-token loss, expert TP under expert parallelism."""
+    assert args_for(*MOE, "--calculate-per-token-loss").calculate_per_token_loss
+    etp = args_for(*MOE, "--use-megatron-fsdp", "--expert-model-parallel-size", "2",
+                   "--expert-tensor-parallel-size", "2")
+    assert etp.expert_data_parallel_size == 1
+
+
+def test_moe_gpt_trains_its_router_and_is_reproducible(one_gloo_rank):
+    """megatron-core's MoE GPT builds and runs, the router gets gradients, and one seed gives the same weights
+    twice."""
+    flags = ("--hidden-size", "16", "--seq-length", "8", "--vocab-size", "32", "--num-experts", "4",
+             "--moe-router-topk", "2", "--moe-ffn-hidden-size", "8", "--moe-aux-loss-coeff", "0.01", *EXPERTS)
     torch.manual_seed(3)
-    model = GPTModel(config)
-    assert all(isinstance(layer.mlp, MoELayer) for layer in model.layers)
-    losses = model(torch.randint(0, 32, (2, 8)), labels=torch.randint(0, 32, (2, 8)))
+    model = small(*flags)
+    layers = model.decoder.layers
+    assert all(type(layer.mlp).__name__ == "MoELayer" for layer in layers)
+    positions = torch.arange(8).expand(2, 8)
+    losses = model(torch.randint(0, 32, (2, 8)), positions, None, labels=torch.randint(0, 32, (2, 8)))
     losses.mean().backward()
-    router = model.layers[0].mlp.router.weight
+    router = layers[0].mlp.router.weight
     assert router.grad is not None and router.grad.abs().sum() > 0  # routing probabilities and aux loss
     torch.manual_seed(3)
-    again = GPTModel(config)
+    again = small(*flags)
     for a, b in zip(model.parameters(), again.parameters()):
         assert torch.equal(a, b)
-    experts = model.layers[1].mlp.local_experts
-    assert not torch.equal(experts[0].fc1_weight, experts[1].fc1_weight)
+    experts = layers[1].mlp.experts.local_experts
+    assert not torch.equal(experts[0].linear_fc1.weight, experts[1].linear_fc1.weight)
