@@ -231,11 +231,13 @@ def _expert_tensor_parallel_size(args: argparse.Namespace) -> int:
 
 
 def initialize_mcore_parallel(args: argparse.Namespace, seed: int) -> None:
-    """megatron-core's ``parallel_state`` (its own TP/DP groups, Megatron's rank order) and RNG tracker.
+    """megatron-core's ``parallel_state`` (the job's process groups, Megatron's rank order) and RNG tracker.
 
-    Megatron-LM does both in ``initialize_megatron``, which this front-end replaces. The
-    tracker's "model-parallel-rng" state (seed + 2718 + TP rank) drives attention dropout;
-    on CPU it is a CPU generator state (mcore_cpu_compat.py).
+    Megatron-LM does both in ``initialize_megatron``, which this front-end replaces:
+    ``pretrain`` calls this before the model is built (parallel_state.build_layout derives
+    the front-end's meshes from these groups). The tracker's "model-parallel-rng" state
+    (seed + 2718 + TP rank) drives dropout inside TP regions; on CPU it is a CPU generator
+    state (mcore_cpu_compat.py). Groups already laid out for the same sizes are kept.
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -243,21 +245,32 @@ def initialize_mcore_parallel(args: argparse.Namespace, seed: int) -> None:
         apply_cpu_compat()
     tp, ep = args.tensor_model_parallel_size, getattr(args, "expert_model_parallel_size", 1)
     etp, cp = _expert_tensor_parallel_size(args), args.context_parallel_size
+    instances = getattr(args, "num_distributed_optimizer_instances", 1)
     if parallel_state.model_parallel_is_initialized() and (
             parallel_state.get_tensor_model_parallel_world_size() != tp
             or parallel_state.get_context_parallel_world_size() != cp
             or parallel_state.get_expert_model_parallel_world_size() != ep
-            or parallel_state.get_expert_tensor_parallel_world_size() != etp):
+            or parallel_state.get_expert_tensor_parallel_world_size() != etp
+            or _instances() != instances):
         destroy_mcore_parallel()  # another job of this process laid out other groups
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=cp,
             expert_model_parallel_size=ep,
-            # TP fastest, then CP, then DP (megatron-core's default order "tp-cp-ep-dp-pp": the front-end's mesh
-            # agrees); expert TP fastest, then EP (the front-end's expert mesh agrees)
+            # TP fastest, then CP, then DP (megatron-core's default order "tp-cp-ep-dp-pp", the front-end's mesh
+            # (dp_outer?, dp_shard, cp, tp)); expert TP fastest, then EP (the expert mesh (dp_shard, ep, tp))
             expert_tensor_parallel_size=etp,
+            num_distributed_optimizer_instances=instances,  # HSDP: dp_outer instances of dp_shard x cp ranks
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def _instances() -> int:
+    """The number of distributed-optimizer instances megatron-core's data-parallel groups were laid out for."""
+    from megatron.core import parallel_state
+
+    full = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    return full // parallel_state.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True)
 
 
 def destroy_mcore_parallel() -> None:
