@@ -128,9 +128,16 @@ class Trainer:
         self.mcore_moe = McoreMoE.for_model(args, backend.module)  # megatron-core's MoE layers' loop duties
 
     def _batch(self, data_iterator: Iterator[dict]) -> dict:
-        """The next micro-batch on the device; with context parallelism this CP rank's tokens of it."""
+        """The next micro-batch on the device; with context parallelism this CP rank's tokens of it, split by
+        megatron-core's ``get_batch_on_this_cp_rank`` over its CP group (the sequence in 2 x CP chunks, rank r
+        keeping chunks r and 2 CP - 1 - r: the causal attention's work balanced)."""
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
         cp = self.backend.layout.cp
-        return {k: cp.split(v.to(self.device, non_blocking=True)) for k, v in next(data_iterator).items()}
+        if cp.size == 1:
+            return batch
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        return get_batch_on_this_cp_rank(batch, cp_group=cp.group)
 
     def _micro_batch_totals(self, masked: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch's masked loss sum and token count over its whole sequence (summed over CP ranks)."""
@@ -166,9 +173,11 @@ class Trainer:
                 if config.calculate_per_token_loss:
                     scaled = masked * backend.summed_loss_factor()  # summed gradients
                 else:
-                    # Each CP rank's share of the micro-batch mean; the gradient reduction averages over
-                    # the CP ranks too, where their shares must be summed: hence x CP size.
-                    scaled = masked / tokens_all.clamp(min=1) / n * backend.layout.cp.size
+                    # Megatron's (megatron-core's forward_step with a loss function giving the sum and the
+                    # tokens): each CP rank's loss is the mean over its own tokens, / n; the gradient
+                    # reduction averages over DP x CP, so the gradient is that of the mean of the CP ranks'
+                    # means (the micro-batch mean where they hold as many unmasked tokens each)
+                    scaled = masked / mask.sum().clamp(min=1) / n
                 scaled.backward()
             if moe:  # Megatron tracks aux loss / coefficient, per micro-batch, averaged over the MoE layers
                 balancing += sum(layer.last_aux_loss.double() / layer.aux_loss_coeff for layer in moe) / len(moe) / n

@@ -16,7 +16,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.overrides import TorchFunctionMode
 
 from megatron.training.gpt_model import GPTConfig, GPTModel
-from megatron.training.rng_tracker import get_model_parallel_rng_tracker, model_parallel_manual_seed
 from megatron_fsdp import FSDPModule, comm_stats, fully_shard
 from megatron_fsdp.optim.grad_norm import get_grad_norm
 from megatron_fsdp.parallel import (
@@ -314,7 +313,14 @@ def dropout_masks_follow_megatrons_rng_rules(sequence_parallel: bool):
     config = _config(attention_dropout=0.5, hidden_dropout=0.5, max_position_embeddings=16)
     torch.manual_seed(7)
     model = GPTModel(config, tp).to(device()).train()
-    model_parallel_manual_seed(1234, tp.rank, device_type())
+    from megatron.core import tensor_parallel
+
+    from megatron.training.mcore_cpu_compat import apply_cpu_compat, cuda_absent
+
+    if cuda_absent():
+        apply_cpu_compat()
+    # megatron-core's tracker, as pretrain seeds it (it seeds the default generator with 1234 too)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234, tp_rank=tp.rank, ep_rank=0, etp_rank=0, force_reset_rng=True)
     tokens = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3)).to(device())
     default_before = _rng_state()
     try:
@@ -323,7 +329,7 @@ def dropout_masks_follow_megatrons_rng_rules(sequence_parallel: bool):
         with _DropoutMasks() as again:
             model(tokens)
     finally:
-        get_model_parallel_rng_tracker().reset()
+        tensor_parallel.get_cuda_rng_tracker().reset()
     kinds = [kind for kind, _ in recorder.masks]
     assert kinds == ["dropout"] + ["attention", "dropout", "dropout"] * config.num_layers, kinds
     names = ["embedding"] + [f"layer {i} {k}" for i in range(config.num_layers)
