@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from megatron_fsdp.comm.objects import all_gather_objects
 from megatron_fsdp.parallel import ContextParallel, TensorParallel
 from megatron_fsdp.parallel.expert_dispatch import ExpertParallel
 
@@ -109,17 +110,15 @@ def _dim_groups(ranks: torch.Tensor, dim: int, known: dict[tuple[int, ...], dist
     """This rank's group along ``dim`` of the rank grid ``ranks``: ``named`` (megatron-core's group for the
     dimension) where it holds those ranks, else megatron-core's group of those ranks, else one made here.
 
-    Every rank takes the same branch (the grid and megatron-core's layout are the same on every
-    rank); where a group is made, every group of the dimension is, in the same order
-    (torch.distributed's rule for ``new_group``).
+    Every rank takes the same branch (decided together); where groups are made, every group of
+    the dimension is, on every rank in the same order (torch.distributed's rule for ``new_group``).
     """
     rows = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
     me = dist.get_rank()
     mine = next(tuple(row) for row in rows if me in row)
-    if named is not None and tuple(dist.get_process_group_ranks(named)) == mine:
-        return named
-    if mine in known:
-        return known[mine]
+    group = named if named is not None and tuple(dist.get_process_group_ranks(named)) == mine else known.get(mine)
+    if all(all_gather_objects(group is not None)):  # one branch on every rank, even where a layout differs
+        return group
     group = None
     for row in rows:
         made = dist.new_group(row)
@@ -134,9 +133,14 @@ def _existing_group(group: dist.ProcessGroup) -> Iterator[None]:
 
     torch has no public way to flatten mesh dimensions onto an existing group; ``_flatten`` (as
     private as the name says) builds its mesh with ``_init_process_groups``, which returns the
-    dimension's group names: here, ``group``'s.
+    dimension's group names: here, ``group``'s (torch 2.13's internals, checked by
+    tests/distributed/frontend/layout_checks.py; where they differ, the flattened dimension
+    gets a group of its own, as ``_flatten`` makes it).
     """
-    real = DeviceMesh.__dict__["_init_process_groups"]
+    real = DeviceMesh.__dict__.get("_init_process_groups")
+    if not isinstance(real, staticmethod):  # another torch's internals: _flatten makes its own group (one more)
+        yield
+        return
     DeviceMesh._init_process_groups = staticmethod(lambda *args, **kwargs: [group.group_name])
     try:
         yield
