@@ -297,6 +297,24 @@ def destroy_mcore_parallel() -> None:
             dist.destroy_process_group(group)
         except ValueError:  # destroyed already (one group under two names), or not a group of this rank
             pass
+    _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """Forget torch's cached DTensor plans: they hold the meshes they were made for, and a mesh over the same
+    ranks and names compares equal, so a later layout's DTensors would be redistributed over the destroyed
+    groups of the front-end's earlier meshes (built from megatron-core's groups). Private torch caches: each is
+    cleared where this torch has it."""
+    import contextlib
+
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor import _redistribute
+
+        _redistribute.clear_redistribute_planner_cache()
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor import DTensor
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
 def mcore_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True) -> nn.Module:
