@@ -280,7 +280,11 @@ def destroy_mcore_parallel() -> None:
     threads until ``dist.destroy_process_group``, so a process that lays out groups again
     (a second job, a test of another TP/CP size) kept about 50 threads per layout (1,700
     per rank after a test group's many layouts). Its groups are the ``ProcessGroup`` values
-    of ``parallel_state``'s module globals, alone or in lists; WORLD is left alone.
+    of ``parallel_state``'s module globals, alone or in lists; WORLD is left alone, and so are
+    the groups of the front-end's meshes (parallel_state.mesh_groups: about as many per layout as
+    the front-end's own layout used to make): torch's DTensor dispatch caches match meshes by
+    their ranks and names, so a later layout's DTensors could be redistributed over an earlier,
+    equal mesh's groups.
     """
     from megatron.core import parallel_state
 
@@ -291,8 +295,11 @@ def destroy_mcore_parallel() -> None:
         for group in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD:
                 groups[id(group)] = group
+    from .parallel_state import mesh_groups
+
+    kept = mesh_groups()  # the front-end's meshes hold them: torch caches equal meshes over the same ranks
     parallel_state.destroy_model_parallel()
-    for group in groups.values():
+    for group in (g for key, g in groups.items() if key not in kept):
         try:
             dist.destroy_process_group(group)
         except ValueError:  # destroyed already (one group under two names), or not a group of this rank

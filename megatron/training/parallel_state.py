@@ -82,9 +82,16 @@ class ParallelLayout:
         return self.expert_model_group if self.expert_model_group is not None else self.ep.group
 
 
+_MESH_GROUPS: dict[int, dist.ProcessGroup] = {}  # the groups of every mesh built here, by id
 _TP: TensorParallel | None = None
 _CP: ContextParallel | None = None
 _EP: ExpertParallel | None = None
+
+
+def mesh_groups() -> dict[int, dist.ProcessGroup]:
+    """The process groups of the meshes ``mesh_from_groups`` built in this process, by ``id`` (kept alive by
+    ``mcore_model.destroy_mcore_parallel``)."""
+    return _MESH_GROUPS
 
 
 def mcore_groups() -> dict[tuple[int, ...], dist.ProcessGroup]:
@@ -161,12 +168,14 @@ def mesh_from_groups(device_type: str, shape: tuple[int, ...], names: tuple[str,
     named = named or {}
     ranks = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
     groups = [_dim_groups(ranks, d, known, named.get(names[d])) for d in range(len(shape))]
+    _MESH_GROUPS.update((id(g), g) for g in groups)
     mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=names)
     for name, dims in (flatten or {}).items():
         indices = [names.index(d) for d in dims]
         rest = [i for i in range(len(shape)) if i not in indices]
         grid = ranks.permute(*rest, *indices).reshape(*[shape[i] for i in rest], -1)
         group = _dim_groups(grid, grid.dim() - 1, known, named.get(name))
+        _MESH_GROUPS[id(group)] = group
         with _existing_group(group):
             mesh[dims]._flatten(name)
     return mesh
