@@ -54,14 +54,7 @@ from .errors import UsageFileNotFoundError, UsageValueError
 from .initialize import print_rank_0
 from .model_setup import check_scheduler_state
 from .parallel_state import ParallelLayout
-from .rng_tracker import (
-    MODEL_PARALLEL_TRACKER_KEY,
-    TRACKER_KEY,
-    gather_tracker_states,
-    get_model_parallel_rng_tracker,
-    mcore_rng_tracker,
-    restore_tracker_states,
-)
+from .rng_tracker import TRACKER_KEY, gather_tracker_states, mcore_rng_tracker, restore_tracker_states
 
 # The flags that define the model a checkpoint holds (compared at --load; saved in extra.pt's "args").
 MODEL_ARGS = (
@@ -152,13 +145,10 @@ def save(args: argparse.Namespace, state: RunState, module: nn.Module, optimizer
         "consumed_valid_samples": state.consumed_valid_samples,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
     }
-    # megatron-core's CUDA RNG tracker and rng_tracker.py's model-parallel RNG (seeded by training.py; megatron-core's
-    # model draws nothing from it), every rank's
-    trackers = ((TRACKER_KEY, mcore_rng_tracker()), (MODEL_PARALLEL_TRACKER_KEY, get_model_parallel_rng_tracker()))
-    for key, tracker in trackers:
-        tracker_states = gather_tracker_states(tracker)
-        if tracker_states is not None:
-            extra[key] = tracker_states
+    # megatron-core's CUDA RNG tracker, every rank's (rng_tracker.py)
+    tracker_states = gather_tracker_states(mcore_rng_tracker())
+    if tracker_states is not None:
+        extra[TRACKER_KEY] = tracker_states
     if args.async_save:
         finalize_async_save()  # one save in flight: the previous one is complete before this one starts
         if _AsyncSaves.io_group is None:  # every rank saves at the same iteration: they create it together
@@ -325,15 +315,12 @@ def load(args: argparse.Namespace, module: nn.Module, optimizer: torch.optim.Opt
         mismatch.report, mismatch.where = error.report, error.where
         raise mismatch from error
     print_rank_0(f"  successfully loaded checkpoint from {located.directory} at iteration {loaded.iteration}")
-    trackers = ((TRACKER_KEY, mcore_rng_tracker(), True),
-                (MODEL_PARALLEL_TRACKER_KEY, get_model_parallel_rng_tracker(), False))  # no mask drawn from it
-    for key, tracker, draws_masks in trackers:
-        # a checkpoint written before a tracker existed holds none of its states: it loads, the tracker keeps
-        # this run's seeding, and where the model draws dropout masks from it a warning says so
-        warning = restore_tracker_states(tracker, loaded.extra, rng_restored=loaded.rng_restored,
-                                         where=f"--load {args.load}", key=key, draws_masks=draws_masks)
-        if warning is not None:
-            print_rank_0(warning)
+    # megatron-core's tracker states (a checkpoint without them loads, keeping this run's seeding, with a warning).
+    # An older checkpoint's MODEL_PARALLEL_TRACKER_KEY (the own GPT's tracker, now gone) is ignored.
+    warning = restore_tracker_states(mcore_rng_tracker(), loaded.extra, rng_restored=loaded.rng_restored,
+                                     where=f"--load {args.load}")
+    if warning is not None:
+        print_rank_0(warning)
     if finetune:
         return RunState()
     extra = loaded.extra

@@ -225,11 +225,13 @@ def _expert_tensor_parallel_size(args: argparse.Namespace) -> int:
 
 
 def initialize_mcore_parallel(args: argparse.Namespace, seed: int) -> None:
-    """megatron-core's ``parallel_state`` (its own TP/DP groups, Megatron's rank order) and RNG tracker.
+    """megatron-core's ``parallel_state`` (the job's process groups, Megatron's rank order) and RNG tracker.
 
-    Megatron-LM does both in ``initialize_megatron``, which this front-end replaces. The
-    tracker's "model-parallel-rng" state (seed + 2718 + TP rank) drives attention dropout;
-    on CPU it is a CPU generator state (mcore_cpu_compat.py).
+    Megatron-LM does both in ``initialize_megatron``, which this front-end replaces:
+    ``pretrain`` calls this before the model is built (parallel_state.build_layout derives
+    the front-end's meshes from these groups). The tracker's "model-parallel-rng" state
+    (seed + 2718 + TP rank) drives dropout inside TP regions; on CPU it is a CPU generator
+    state (mcore_cpu_compat.py). Groups already laid out for the same sizes are kept.
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -237,21 +239,32 @@ def initialize_mcore_parallel(args: argparse.Namespace, seed: int) -> None:
         apply_cpu_compat()
     tp, ep = args.tensor_model_parallel_size, getattr(args, "expert_model_parallel_size", 1)
     etp, cp = _expert_tensor_parallel_size(args), args.context_parallel_size
+    instances = getattr(args, "num_distributed_optimizer_instances", 1)
     if parallel_state.model_parallel_is_initialized() and (
             parallel_state.get_tensor_model_parallel_world_size() != tp
             or parallel_state.get_context_parallel_world_size() != cp
             or parallel_state.get_expert_model_parallel_world_size() != ep
-            or parallel_state.get_expert_tensor_parallel_world_size() != etp):
+            or parallel_state.get_expert_tensor_parallel_world_size() != etp
+            or _instances() != instances):
         destroy_mcore_parallel()  # another job of this process laid out other groups
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=cp,
             expert_model_parallel_size=ep,
-            # TP fastest, then CP, then DP (megatron-core's default order "tp-cp-ep-dp-pp": the front-end's mesh
-            # agrees); expert TP fastest, then EP (the front-end's expert mesh agrees)
+            # TP fastest, then CP, then DP (megatron-core's default order "tp-cp-ep-dp-pp", the front-end's mesh
+            # (dp_outer?, dp_shard, cp, tp)); expert TP fastest, then EP (the expert mesh (dp_shard, ep, tp))
             expert_tensor_parallel_size=etp,
+            num_distributed_optimizer_instances=instances,  # HSDP: dp_outer instances of dp_shard x cp ranks
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def _instances() -> int:
+    """The number of distributed-optimizer instances megatron-core's data-parallel groups were laid out for."""
+    from megatron.core import parallel_state
+
+    full = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    return full // parallel_state.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True)
 
 
 def destroy_mcore_parallel() -> None:
@@ -261,7 +274,11 @@ def destroy_mcore_parallel() -> None:
     threads until ``dist.destroy_process_group``, so a process that lays out groups again
     (a second job, a test of another TP/CP size) kept about 50 threads per layout (1,700
     per rank after a test group's many layouts). Its groups are the ``ProcessGroup`` values
-    of ``parallel_state``'s module globals, alone or in lists; WORLD is left alone.
+    of ``parallel_state``'s module globals, alone or in lists; WORLD is left alone, and so are
+    the groups of the front-end's meshes (parallel_state.mesh_groups: about as many per layout as
+    the front-end's own layout used to make): torch's DTensor dispatch caches match meshes by
+    their ranks and names, so a later layout's DTensors could be redistributed over an earlier,
+    equal mesh's groups.
     """
     from megatron.core import parallel_state
 
@@ -272,12 +289,33 @@ def destroy_mcore_parallel() -> None:
         for group in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD:
                 groups[id(group)] = group
+    from .parallel_state import mesh_groups
+
+    kept = mesh_groups()  # the front-end's meshes hold them: torch caches equal meshes over the same ranks
     parallel_state.destroy_model_parallel()
-    for group in groups.values():
+    for group in (g for key, g in groups.items() if key not in kept):
         try:
             dist.destroy_process_group(group)
         except ValueError:  # destroyed already (one group under two names), or not a group of this rank
             pass
+    _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """Forget torch's cached DTensor plans: they hold the meshes they were made for, and a mesh over the same
+    ranks and names compares equal, so a later layout's DTensors would be redistributed over the destroyed
+    groups of the front-end's earlier meshes (built from megatron-core's groups). Private torch caches: each is
+    cleared where this torch has it."""
+    import contextlib
+
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor import _redistribute
+
+        _redistribute.clear_redistribute_planner_cache()
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor import DTensor
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
 def mcore_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True) -> nn.Module:

@@ -1,34 +1,47 @@
-"""The job's parallel layout: the device mesh, the tensor-parallel group, the data-parallel group.
+"""The job's parallel layout, derived from megatron-core's ``parallel_state``: one set of process groups per job.
 
-Ranks are laid out as Megatron lays them out, tensor parallelism fastest, then
-context parallelism: the mesh is ``(dp_outer?, dp_shard, cp, tp)`` with named
-dimensions (``dp_outer`` with ``--num-distributed-optimizer-instances`` > 1; ``cp``
-only with ``--context-parallel-size`` > 1). FSDP shards over ``dp_shard`` x ``cp``
-(the flattened ``dp_shard_cp``, replicating over ``dp_outer``) within each TP rank;
-DDP reduces over the same ranks. ``get_tensor_parallel()`` and
-``get_context_parallel()`` offer the groups to model providers, as Megatron's
-``parallel_state`` does.
+``pretrain`` initializes megatron-core's ``parallel_state`` (``initialize_model_parallel``
+with TP, CP, EP, expert TP and ``--num-distributed-optimizer-instances``, Megatron's
+default order ``tp-cp-ep-dp-pp``; on CPU through ``mcore_cpu_compat``) and seeds
+megatron-core's RNG tracker, as Megatron-LM's ``initialize_megatron`` does
+(``mcore_model.initialize_mcore_parallel``). ``build_layout`` then derives what the
+front-end and the engine need FROM those groups, creating no communicator of its own:
 
-With ``--expert-model-parallel-size P`` > 1 a second mesh of ``world / (T x P)`` x ``P``
-(x ``T``) ranks, ``(dp_shard, ep)``, or ``(dp_shard, ep, tp)`` with
-``--expert-tensor-parallel-size T`` > 1, lays out the experts as Megatron
-(megatron-core's ``parallel_state``) does: expert TP fastest, then EP (ranks
-``[d * P, (d + 1) * P)`` form an EP group at ``T = 1``); expert parameters are sharded
-over its ``dp_shard`` (expert data-parallel) dimension, each expert's linear layers
-split over its ``tp`` (expert-TP) dimension, and ``get_expert_parallel()`` offers the EP
-group (docs/moe.md). At ``P = 1`` ``T`` is the TP size (megatron-core marks experts as
-expert parameters only under EP): the experts ride the dense mesh and groups.
+- the dense mesh ``(dp_outer?, dp_shard, cp, tp)`` (TP fastest, then CP, then DP;
+  ``dp_outer`` with ``--num-distributed-optimizer-instances`` > 1, ``cp`` only with
+  ``--context-parallel-size`` > 1) is ``DeviceMesh.from_group`` over megatron-core's
+  groups of each dimension (its TP, CP, data-parallel, intra- and inter-instance
+  groups), and its ``dp_shard_cp`` (dp_shard x cp flattened, FSDP's shard dimension)
+  is megatron-core's data-parallel-with-CP group;
+- with ``--expert-model-parallel-size P`` > 1 the expert mesh ``(dp_shard, ep[, tp])``
+  of ``world / (T x P)`` x ``P`` (x ``T``) ranks (expert TP fastest, then EP) over its
+  expert-data-parallel, expert-model-parallel and expert-TP groups, and ``ep_tp``
+  (Megatron's expert tensor-and-model-parallel group) flattened from them. Expert
+  parameters are sharded over its ``dp_shard``, each expert's linear layers split over
+  its ``tp`` (docs/moe.md). At ``P = 1`` the experts ride the dense mesh and groups.
+
+Each mesh dimension's group is looked up among megatron-core's by its ranks; a
+dimension megatron-core has no group for (``dp_shard`` alone under CP with
+``--num-distributed-optimizer-instances`` > 1, or ``dp_outer`` with expert
+parallelism, where megatron-core's inter-instance group is the experts') gets its
+groups made here, on every rank in the same order. ``TensorParallel`` /
+``ContextParallel`` / ``ExpertParallel`` (megatron_fsdp.parallel) wrap megatron-core's
+groups for the loop and the backends (model providers read megatron-core's
+``parallel_state``, as in Megatron-LM).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
+from megatron_fsdp.comm.objects import all_gather_objects
 from megatron_fsdp.parallel import ContextParallel, TensorParallel
 from megatron_fsdp.parallel.expert_dispatch import ExpertParallel
 
@@ -69,96 +82,149 @@ class ParallelLayout:
         return self.expert_model_group if self.expert_model_group is not None else self.ep.group
 
 
-_TP: TensorParallel | None = None
-_CP: ContextParallel | None = None
-_EP: ExpertParallel | None = None
+_MESH_GROUPS: dict[int, dist.ProcessGroup] = {}  # the groups of every mesh built here, by id
 
 
-def _groups_over(dim_size: int, fixed: int, stride: int, world: int) -> list[list[int]]:
-    """Every group of ``dim_size`` ranks spaced ``stride`` apart, for each offset below ``fixed``."""
-    groups = []
-    for outer in range(0, world, stride * dim_size):
-        for offset in range(fixed):
-            groups.append([outer + offset + i * stride for i in range(dim_size)])
-    return groups
+def mesh_groups() -> dict[int, dist.ProcessGroup]:
+    """The process groups of the meshes ``mesh_from_groups`` built in this process, by ``id`` (kept alive by
+    ``mcore_model.destroy_mcore_parallel``)."""
+    return _MESH_GROUPS
+
+
+def mcore_groups() -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """megatron-core's process groups of this rank (its ``parallel_state`` globals), by their ranks.
+
+    The gloo copies (``*_GLOO``) and the all-gather duplicates (``*_AG``) are left out: a mesh's
+    collectives run on the default backend's group of those ranks.
+    """
+    from megatron.core import parallel_state
+
+    found: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for name, value in vars(parallel_state).items():
+        if not name.startswith("_") or "GLOO" in name or name.endswith("_AG"):
+            continue
+        for group in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(group, dist.ProcessGroup):
+                found.setdefault(tuple(dist.get_process_group_ranks(group)), group)
+    return found
+
+
+def _dim_groups(ranks: torch.Tensor, dim: int, known: dict[tuple[int, ...], dist.ProcessGroup],
+                named: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """This rank's group along ``dim`` of the rank grid ``ranks``: ``named`` (megatron-core's group for the
+    dimension) where it holds those ranks, else megatron-core's group of those ranks, else one made here.
+
+    Every rank takes the same branch (decided together); where groups are made, every group of
+    the dimension is, on every rank in the same order (torch.distributed's rule for ``new_group``).
+    """
+    rows = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
+    me = dist.get_rank()
+    mine = next(tuple(row) for row in rows if me in row)
+    group = named if named is not None and tuple(dist.get_process_group_ranks(named)) == mine else known.get(mine)
+    if all(all_gather_objects(group is not None)):  # one branch on every rank, even where a layout differs
+        return group
+    group = None
+    for row in rows:
+        made = dist.new_group(row)
+        known[tuple(row)] = made
+        group = made if me in row else group
+    return group
+
+
+@contextlib.contextmanager
+def _existing_group(group: dist.ProcessGroup) -> Iterator[None]:
+    """``DeviceMesh._flatten`` takes ``group`` as the flattened dimension's instead of creating one.
+
+    torch has no public way to flatten mesh dimensions onto an existing group; ``_flatten`` (as
+    private as the name says) builds its mesh with ``_init_process_groups``, which returns the
+    dimension's group names: here, ``group``'s (torch 2.13's internals, checked by
+    tests/distributed/frontend/layout_checks.py; where they differ, the flattened dimension
+    gets a group of its own, as ``_flatten`` makes it).
+    """
+    real = DeviceMesh.__dict__.get("_init_process_groups")
+    if not isinstance(real, staticmethod):  # another torch's internals: _flatten makes its own group (one more)
+        yield
+        return
+    DeviceMesh._init_process_groups = staticmethod(lambda *args, **kwargs: [group.group_name])
+    try:
+        yield
+    finally:
+        DeviceMesh._init_process_groups = real
+
+
+def mesh_from_groups(device_type: str, shape: tuple[int, ...], names: tuple[str, ...],
+                     known: dict[tuple[int, ...], dist.ProcessGroup],
+                     flatten: dict[str, tuple[str, ...]] | None = None,
+                     named: dict[str, dist.ProcessGroup] | None = None) -> DeviceMesh:
+    """A mesh of ``shape`` over ranks ``0..n-1`` (row-major) whose dimensions' groups are ``known``'s.
+
+    ``flatten``: new dimension name -> the dimensions it flattens (``mesh[dims]._flatten(name)``),
+    on the group of their ranks. ``named``: the group to take for a dimension (by name) where its
+    ranks are this rank's of that dimension.
+    """
+    named = named or {}
+    ranks = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
+    groups = [_dim_groups(ranks, d, known, named.get(names[d])) for d in range(len(shape))]
+    _MESH_GROUPS.update((id(g), g) for g in groups)
+    mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=names)
+    for name, dims in (flatten or {}).items():
+        indices = [names.index(d) for d in dims]
+        rest = [i for i in range(len(shape)) if i not in indices]
+        grid = ranks.permute(*rest, *indices).reshape(*[shape[i] for i in rest], -1)
+        group = _dim_groups(grid, grid.dim() - 1, known, named.get(name))
+        _MESH_GROUPS[id(group)] = group
+        with _existing_group(group):
+            mesh[dims]._flatten(name)
+    return mesh
 
 
 def build_layout(args: argparse.Namespace, device: torch.device) -> ParallelLayout:
-    """The mesh and groups of validated ``args`` (every rank calls this, in the same order)."""
+    """megatron-core's ``parallel_state`` for validated ``args`` (initialized, its tracker seeded), and the
+    layout derived from its groups (every rank calls this, in the same order)."""
+    from megatron.core import parallel_state as mpu
+
+    from .mcore_model import initialize_mcore_parallel
+
+    initialize_mcore_parallel(args, args.seed)
+    known = mcore_groups()
     world, tp_size, cp_size = dist.get_world_size(), args.tensor_model_parallel_size, args.context_parallel_size
     dp_size, instances = world // (tp_size * cp_size), args.num_distributed_optimizer_instances
-    shape, names = [dp_size, cp_size, tp_size], ["dp_shard", "cp", "tp"]
+    shape, names = (dp_size, cp_size, tp_size), ("dp_shard", "cp", "tp")
     if instances > 1:
-        shape, names = [instances, dp_size // instances, cp_size, tp_size], ["dp_outer", "dp_shard", "cp", "tp"]
-    mesh = init_device_mesh(device.type, tuple(shape), mesh_dim_names=tuple(names))
-    if cp_size > 1:
-        mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")  # FSDP's shard dimension
-    tp = TensorParallel.from_group(mesh.get_group("tp"), args.sequence_parallel)
-    cp = ContextParallel.from_group(mesh.get_group("cp")) if cp_size > 1 else ContextParallel.single()
-    rank = dist.get_rank()
-    if tp_size * cp_size == 1:
-        dp_group = grad_group = dist.group.WORLD
-    else:  # every rank creates every group, in the same order (torch.distributed's rule for new_group)
-        dp_group = grad_group = None
-        for ranks in _groups_over(dp_size, tp_size * cp_size, tp_size * cp_size, world):
-            group = dist.new_group(ranks)
-            dp_group = group if rank in ranks else dp_group
-        if cp_size == 1:
-            grad_group = dp_group
-        else:
-            for ranks in _groups_over(dp_size * cp_size, tp_size, tp_size, world):
-                group = dist.new_group(ranks)
-                grad_group = group if rank in ranks else grad_group
+        shape, names = (instances, dp_size // instances, cp_size, tp_size), ("dp_outer", "dp_shard", "cp", "tp")
+    # where two of megatron-core's groups hold the same ranks (TP and CP of size 1, DP and DP x CP at CP 1, TP and
+    # expert TP), each dimension takes the group megatron-core names for it
+    named = {"tp": mpu.get_tensor_model_parallel_group(), "cp": mpu.get_context_parallel_group(),
+             # dp_shard: one instance's data-parallel ranks (at CP 1 megatron-core's intra-instance group; under CP
+             # its DP group, which holds them only with one instance)
+             "dp_shard": (mpu.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+                          if cp_size == 1 else mpu.get_data_parallel_group()),
+             "dp_shard_cp": mpu.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)}
+    if instances > 1:
+        named["dp_outer"] = mpu.get_inter_distributed_optimizer_instance_group()
+    mesh = mesh_from_groups(device.type, shape, names, known,
+                            {"dp_shard_cp": ("dp_shard", "cp")} if cp_size > 1 else None, named)
+    tp = TensorParallel.from_group(mpu.get_tensor_model_parallel_group(), args.sequence_parallel)
+    cp = ContextParallel.from_group(mpu.get_context_parallel_group()) if cp_size > 1 else ContextParallel.single()
+    dp_group = mpu.get_data_parallel_group()  # same TP and CP rank: the ranks that read other data
+    grad_group = mpu.get_data_parallel_group(with_context_parallel=True)
     ep, expt_mesh, etp, expert_model_group = ExpertParallel.single(), None, None, None
     ep_size = getattr(args, "expert_model_parallel_size", 1)
     etp_size = getattr(args, "expert_tensor_parallel_size", None) or tp_size
     if ep_size > 1:
-        if etp_size == 1:  # the mesh of expert parallelism alone (no tp dimension: its groups as before)
-            expt_mesh = init_device_mesh(device.type, (world // ep_size, ep_size), mesh_dim_names=("dp_shard", "ep"))
+        named = {"dp_shard": mpu.get_expert_data_parallel_group(), "ep": mpu.get_expert_model_parallel_group(),
+                 "tp": mpu.get_expert_tensor_parallel_group(),
+                 "ep_tp": mpu.get_expert_tensor_and_model_parallel_group()}
+        if etp_size == 1:  # the mesh of expert parallelism alone (no tp dimension)
+            expt_mesh = mesh_from_groups(device.type, (world // ep_size, ep_size), ("dp_shard", "ep"), known,
+                                         named=named)
             etp = TensorParallel.single()
         else:
-            expt_mesh = init_device_mesh(device.type, (world // (ep_size * etp_size), ep_size, etp_size),
-                                         mesh_dim_names=("dp_shard", "ep", "tp"))
-            etp = TensorParallel.from_group(expt_mesh.get_group("tp"))
+            expt_mesh = mesh_from_groups(device.type, (world // (ep_size * etp_size), ep_size, etp_size),
+                                         ("dp_shard", "ep", "tp"), known, {"ep_tp": ("ep", "tp")}, named)
+            etp = TensorParallel.from_group(mpu.get_expert_tensor_parallel_group())
             # the EP x expert-TP group (Megatron's expert tensor-and-model-parallel group)
-            expert_model_group = (expt_mesh[("ep", "tp")]._flatten("ep_tp").get_group() if ep_size > 1
-                                  else etp.group)
-        ep = ExpertParallel.from_group(expt_mesh.get_group("ep"))
-    return ParallelLayout(mesh, tp, cp, dp_group, grad_group, rank // (tp_size * cp_size), dp_size, ep, expt_mesh,
+            expert_model_group = mpu.get_expert_tensor_and_model_parallel_group()
+        ep = ExpertParallel.from_group(mpu.get_expert_model_parallel_group())
+    return ParallelLayout(mesh, tp, cp, dp_group, grad_group, dist.get_rank(dp_group), dp_size, ep, expt_mesh,
                           etp, expert_model_group)
-
-
-def set_tensor_parallel(tp: TensorParallel) -> None:
-    global _TP
-    _TP = tp
-
-
-def set_context_parallel(cp: ContextParallel) -> None:
-    global _CP
-    _CP = cp
-
-
-def set_expert_parallel(ep: ExpertParallel) -> None:
-    global _EP
-    _EP = ep
-
-
-def get_expert_parallel() -> ExpertParallel:
-    """This rank's expert-parallel group (set by ``pretrain`` before the model is built)."""
-    if _EP is None:
-        raise RuntimeError("get_expert_parallel() called before pretrain() built the parallel layout")
-    return _EP
-
-
-def get_context_parallel() -> ContextParallel:
-    """This rank's context-parallel group (set by ``pretrain`` before the model is built)."""
-    if _CP is None:
-        raise RuntimeError("get_context_parallel() called before pretrain() built the parallel layout")
-    return _CP
-
-
-def get_tensor_parallel() -> TensorParallel:
-    """This rank's tensor-parallel group (set by ``pretrain`` before the model is built)."""
-    if _TP is None:
-        raise RuntimeError("get_tensor_parallel() called before pretrain() built the parallel layout")
-    return _TP

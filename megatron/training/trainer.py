@@ -103,11 +103,6 @@ class _LogWindow:
         return out
 
 
-def _moe_layers(model: nn.Module) -> list[nn.Module]:
-    """The MoE layers whose auxiliary loss is on (their ``last_aux_loss`` is set by each training forward)."""
-    return [m for m in model.modules() if getattr(m, "aux_loss_coeff", 0) > 0 and hasattr(m, "last_aux_loss")]
-
-
 class Trainer:
     """Trains ``backend``'s model from ``state`` for ``config.train_iters`` iterations.
 
@@ -128,9 +123,16 @@ class Trainer:
         self.mcore_moe = McoreMoE.for_model(args, backend.module)  # megatron-core's MoE layers' loop duties
 
     def _batch(self, data_iterator: Iterator[dict]) -> dict:
-        """The next micro-batch on the device; with context parallelism this CP rank's tokens of it."""
+        """The next micro-batch on the device; with context parallelism this CP rank's tokens of it, split by
+        megatron-core's ``get_batch_on_this_cp_rank`` over its CP group (the sequence in 2 x CP chunks, rank r
+        keeping chunks r and 2 CP - 1 - r: the causal attention's work balanced)."""
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
         cp = self.backend.layout.cp
-        return {k: cp.split(v.to(self.device, non_blocking=True)) for k, v in next(data_iterator).items()}
+        if cp.size == 1:
+            return batch
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        return get_batch_on_this_cp_rank(batch, cp_group=cp.group)
 
     def _micro_batch_totals(self, masked: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch's masked loss sum and token count over its whole sequence (summed over CP ranks)."""
@@ -151,8 +153,7 @@ class Trainer:
         # Python floats), read once per step: an .item() per micro-batch would make the CPU wait for every
         # backward and its reductions before queueing the next forward's gathers.
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-        moe, mcore_moe = _moe_layers(model), self.mcore_moe
-        balancing = torch.zeros((), dtype=torch.float64, device=self.device)
+        mcore_moe = self.mcore_moe
         for m in range(n):
             batch = self._batch(data_iterator)
             if mcore_moe is not None:  # Megatron's: the aux losses' gradient scaled as the lm loss is
@@ -166,12 +167,12 @@ class Trainer:
                 if config.calculate_per_token_loss:
                     scaled = masked * backend.summed_loss_factor()  # summed gradients
                 else:
-                    # Each CP rank's share of the micro-batch mean; the gradient reduction averages over
-                    # the CP ranks too, where their shares must be summed: hence x CP size.
-                    scaled = masked / tokens_all.clamp(min=1) / n * backend.layout.cp.size
+                    # Megatron's (megatron-core's forward_step with a loss function giving the sum and the
+                    # tokens): each CP rank's loss is the mean over its own tokens, / n; the gradient
+                    # reduction averages over DP x CP, so the gradient is that of the mean of the CP ranks'
+                    # means (the micro-batch mean where they hold as many unmasked tokens each)
+                    scaled = masked / mask.sum().clamp(min=1) / n
                 scaled.backward()
-            if moe:  # Megatron tracks aux loss / coefficient, per micro-batch, averaged over the MoE layers
-                balancing += sum(layer.last_aux_loss.double() / layer.aux_loss_coeff for layer in moe) / len(moe) / n
             masked, tokens = masked_all.double(), tokens_all.double()
             totals += torch.stack([masked, tokens, masked / tokens.clamp(min=1.0)])
         backend.finish_grad_sync()
@@ -186,12 +187,7 @@ class Trainer:
             loss = total_means / (n * backend.layout.dp_size)
         zeros = backend.num_zeros_in_grad() if self.args.log_num_zeros_in_grad else None
         norm = backend.clip_grad_norm(config.clip_grad if config.clip_grad > 0 else math.inf)
-        moe_losses = {}
-        if moe:  # the mean over data-parallel ranks, as Megatron reduces its tracker
-            all_reduce(balancing, group=backend.layout.dp_group)
-            moe_losses["load_balancing_loss"] = float(balancing) / backend.layout.dp_size
-        elif mcore_moe is not None:
-            moe_losses = mcore_moe.losses(n)
+        moe_losses = mcore_moe.losses(n) if mcore_moe is not None else {}
         # loss and norm are global (all-reduced), so every rank takes the same branch
         if not math.isfinite(norm) or not math.isfinite(loss):
             return StepResult(loss, norm, False, zeros, moe_losses)

@@ -1,7 +1,8 @@
 """``pretrain``: Megatron-style set-up, then the ``Trainer``'s loop, on megatron_fsdp (or DDP as the baseline).
 
 Set-up order: flags parsed and validated (and derived values added) once, the
-process group, the parallel layout (mesh, TP and DP groups), the model wrapped by
+process group, megatron-core's parallel state and RNG tracker, the parallel layout
+derived from its groups (meshes, TP/CP/DP/EP groups), the model wrapped by
 its data-parallel backend, the optimizer and
 schedule, a checkpoint's state when resuming, the data at the resumed position.
 The flags namespace is not written after that; what the run advances lives in a
@@ -28,8 +29,7 @@ from .errors import UsageValueError
 from .global_vars import set_args
 from .initialize import check_save_dir, initialize_distributed, print_rank_0, set_random_seed
 from .model_setup import build_adamw, build_optimizer_param_scheduler, pad_vocab_size
-from .parallel_state import build_layout, set_context_parallel, set_expert_parallel, set_tensor_parallel
-from .rng_tracker import model_parallel_manual_seed
+from .parallel_state import build_layout
 from .summary import end_of_run_summary, startup_summary
 from .trainer import ForwardStep, Trainer, TrainingResult
 
@@ -58,12 +58,9 @@ def pretrain(
         logging.getLogger().setLevel(args.logging_level)
     set_random_seed(args.seed)
     config = TrainingConfig.from_args(args)
+    # megatron-core's parallel_state (the job's only process groups) and RNG tracker (seed + 2718 + TP rank for
+    # dropout inside TP regions), as Megatron's initialize_megatron; the meshes are built from its groups
     layout = build_layout(args, device)
-    set_tensor_parallel(layout.tp)  # model providers read them (get_tensor_parallel, get_context_parallel),
-    set_context_parallel(layout.cp)  # as they read Megatron's parallel_state
-    set_expert_parallel(layout.ep)
-    # Megatron's model-parallel RNG (seed + 2718 + TP rank) for dropout inside TP regions (rng_tracker.py)
-    model_parallel_manual_seed(args.seed, layout.tp.rank, device.type)
     backend = build_backend(args, model_provider, device, layout)
     optimizer = backend.wrap_optimizer(build_adamw(args, backend.model))
     scheduler = build_optimizer_param_scheduler(args, optimizer)  # megatron-core's OptimizerParamScheduler

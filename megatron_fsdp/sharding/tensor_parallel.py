@@ -142,8 +142,13 @@ def sharded_mesh(spec: TensorParallelSpec, dp: DataParallelMesh) -> DeviceMesh:
     device_type = dp.mesh.device_type
     tp_ranks, dp_ranks = tuple(mesh_ranks(spec.mesh)), tuple(mesh_ranks(dp.mesh))
     key = (device_type, tp_ranks, dp_ranks)
+    tp_group, dp_group = spec.mesh.get_group(0), dp.shard_group
+    cached = _SHARDED_MESHES.get(key)
+    if cached is not None and getattr(cached, "_dim_group_names", None) != [tp_group.group_name, dp_group.group_name]:
+        # the groups of an earlier layout over the same ranks (a process that lays out its groups again, e.g.
+        # megatron-core's parallel_state destroyed and initialized anew): the mesh is made over this one's
+        del _SHARDED_MESHES[key]
     if key not in _SHARDED_MESHES:
-        tp_group, dp_group = spec.mesh.get_group(0), dp.shard_group
         grid = all_gather_objects(list(dp_ranks), tp_group)
         column = [row[dp_ranks.index(dist.get_rank())] for row in grid]
         if column != list(tp_ranks):

@@ -1,5 +1,5 @@
 """RNG tracker states through ``--save``/``--load`` at 2 ranks (megatron/training/rng_tracker.py): megatron-core's
-CUDA RNG tracker and the project's GPT's model-parallel RNG.
+CUDA RNG tracker (a stand-in with its surface, and the real one seeded as pretrain seeds it).
 
 Each rank's tracker holds its own states (as under data-parallel random init or tensor
 parallelism); a resume must give every rank back its own, not rank 0's.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import io
 from collections.abc import Iterator
 
@@ -18,14 +17,7 @@ import torch.distributed as dist
 
 from megatron.training import checkpointing
 from megatron.training.config import RunState
-from megatron.training.rng_tracker import (
-    MODEL_PARALLEL_RNG,
-    MODEL_PARALLEL_TRACKER_KEY,
-    TRACKER_KEY,
-    get_model_parallel_rng_tracker,
-    model_parallel_manual_seed,
-)
-from megatron_fsdp.parallel import TensorParallel
+from megatron.training.rng_tracker import MODEL_PARALLEL_RNG, MODEL_PARALLEL_TRACKER_KEY, TRACKER_KEY
 from tests.distributed.harness import check, shared_tmpdir
 from tests.fake_rng_tracker import FakeTracker, checkpoint_parts
 
@@ -67,43 +59,63 @@ def each_rank_gets_its_own_tracker_states_back() -> None:
         assert not torch.equal(resuming.states["model-parallel-rng"], other.states["model-parallel-rng"])
 
 
+def _seed_mcore_tracker(seed: int, tp_rank: int):
+    """megatron-core's tracker seeded as pretrain seeds it (here each rank as TP rank ``tp_rank``), on CPU through
+    the compatibility layer; returns it (seeding with force_reset_rng makes a new tracker object)."""
+    from megatron.core import tensor_parallel
+
+    from megatron.training.mcore_cpu_compat import apply_cpu_compat, cuda_absent
+
+    if cuda_absent():
+        apply_cpu_compat()
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0,
+                                                    force_reset_rng=True)
+    return tensor_parallel.get_cuda_rng_tracker()
+
+
 @check(SUITE, world_sizes=(2,))
 def each_rank_gets_its_own_model_parallel_rng_back() -> None:
-    """The project's GPT's tracker (seed + 2718 + TP rank; here each rank as TP rank = its rank): the stream a
-    resumed rank draws from continues where its own saved stream stopped. A checkpoint without those states
-    (written before the tracker existed) loads and leaves this run's seeding in place."""
-    rank, tracker = dist.get_rank(), get_model_parallel_rng_tracker()
+    """megatron-core's tracker (seed + 2718 + TP rank; here each rank as TP rank = its rank): the stream a resumed
+    rank forks continues where its own saved stream stopped (the dropout masks an uninterrupted run draws). An
+    older checkpoint holding the former own-GPT tracker's states (MODEL_PARALLEL_TRACKER_KEY) and no megatron-core
+    states loads, leaves this run's seeding in place, and says so."""
+    rank = dist.get_rank()
     try:
         with shared_tmpdir() as directory:
-            model_parallel_manual_seed(10, tp_rank=rank)
+            tracker = _seed_mcore_tracker(10, tp_rank=rank)
             with tracker.fork():
                 torch.rand(7)  # the stream moved on before the save
             checkpointing.save(_args(directory), RunState(iteration=2, consumed_train_samples=8),
                                *checkpoint_parts())
             with tracker.fork():
                 expected = torch.rand(5)  # what an uninterrupted run draws next
-            extra = torch.load(f"{directory}/iter_0000002/extra.pt", weights_only=False)
-            assert len(extra[MODEL_PARALLEL_TRACKER_KEY]) == 2, extra[MODEL_PARALLEL_TRACKER_KEY]
-            model_parallel_manual_seed(10, tp_rank=rank)  # a new job, seeded afresh, then resumed
+            path = f"{directory}/iter_0000002/extra.pt"
+            extra = torch.load(path, weights_only=False)
+            assert len(extra[TRACKER_KEY]) == 2 and MODEL_PARALLEL_TRACKER_KEY not in extra, list(extra)
+            tracker = _seed_mcore_tracker(10, tp_rank=rank)  # a new job, seeded afresh, then resumed
             checkpointing.load(_args(directory), *checkpoint_parts())
             with tracker.fork():
                 assert torch.equal(torch.rand(5), expected), f"rank {rank}: the resumed stream is not its own"
         with shared_tmpdir() as directory:
-            tracker.reset()  # saved with no tracker states: what a checkpoint from before the tracker holds
-            checkpointing.save(_args(directory), RunState(iteration=2, consumed_train_samples=8),
-                               *checkpoint_parts())
+            # what an earlier version wrote: tracker states under the own GPT's key, none under megatron-core's
+            checkpointing.TRACKER_KEY = MODEL_PARALLEL_TRACKER_KEY
+            try:
+                checkpointing.save(_args(directory), RunState(iteration=2, consumed_train_samples=8),
+                                   *checkpoint_parts())
+            finally:
+                checkpointing.TRACKER_KEY = TRACKER_KEY
             extra = torch.load(f"{directory}/iter_0000002/extra.pt", weights_only=False)
-            assert MODEL_PARALLEL_TRACKER_KEY not in extra, list(extra)
-            model_parallel_manual_seed(10, tp_rank=rank)
+            assert MODEL_PARALLEL_TRACKER_KEY in extra and TRACKER_KEY not in extra, list(extra)
+            tracker = _seed_mcore_tracker(10, tp_rank=rank)
             seeded = tracker.get_states()[MODEL_PARALLEL_RNG]
-            model, optimizer, scheduler, layout = checkpoint_parts()
             printed = io.StringIO()
-            with contextlib.redirect_stdout(printed):  # at TP 2, where the project's GPT forks the tracker
-                checkpointing.load(_args(directory), model, optimizer, scheduler,
-                                   dataclasses.replace(layout, tp=TensorParallel.from_group(dist.group.WORLD)))
+            with contextlib.redirect_stdout(printed):
+                checkpointing.load(_args(directory), *checkpoint_parts())
             assert torch.equal(tracker.get_states()[MODEL_PARALLEL_RNG], seeded), "an old checkpoint moved the tracker"
             if rank == 0:
-                assert "holds no model-parallel RNG tracker states; the tracker keeps this run's seeding" in (
+                assert "holds no megatron-core CUDA RNG tracker states; the tracker keeps this run's seeding" in (
                     printed.getvalue()), printed.getvalue()
     finally:
-        tracker.reset()
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.get_cuda_rng_tracker().reset()

@@ -1,9 +1,7 @@
-"""RNG trackers (megatron/training/rng_tracker.py): megatron-core's CUDA RNG tracker states through front-end
-checkpoints, and the project's own GPT's model-parallel RNG (its fork and its states).
-
-megatron-core is optional and not installed where these run, so a stand-in tracker with
-megatron-core's ``get_states``/``set_states`` takes its place: the logic that saves every
-rank's states into ``extra.pt`` and sets them back on resume is the same.
+"""megatron-core's RNG tracker (megatron/training/rng_tracker.py): its states through front-end checkpoints
+(a stand-in tracker with megatron-core's ``get_states``/``set_states`` where a test needs states of its own), the
+own GPT's fork of it (seed + 2718 + TP rank, through the CPU compatibility layer), and older checkpoints that
+carry the former own-GPT tracker's states (ignored).
 """
 
 from __future__ import annotations
@@ -17,15 +15,10 @@ from megatron.training import checkpointing
 from megatron.training.config import RunState
 from megatron.training.rng_tracker import (
     MODEL_PARALLEL_RNG,
-    MODEL_PARALLEL_TRACKER_KEY,
     TRACKER_KEY,
     gather_tracker_states,
-    get_model_parallel_rng_tracker,
-    model_parallel_manual_seed,
     restore_tracker_states,
-    tp_region_rng,
 )
-from megatron_fsdp.parallel import TensorParallel
 from tests.fake_rng_tracker import FakeTracker, checkpoint_parts
 
 
@@ -89,70 +82,35 @@ def test_front_end_save_and_load_carry_the_tracker_states(gloo_rank, tmp_path, m
     assert torch.equal(fresh.states["model-parallel-rng"], before["model-parallel-rng"])
 
 
-# The project's own GPT's model-parallel RNG (ModelParallelRNGTracker): Megatron's fork, on the CPU generator.
-
-def _tp(size: int, rank: int = 0) -> TensorParallel:
-    return TensorParallel(None, size, rank, False)  # only size and rank matter to tp_region_rng
-
+# megatron-core's tracker on CPU (the compatibility layer), seeded as pretrain seeds it.
 
 @pytest.fixture
-def fresh_tracker():
-    yield get_model_parallel_rng_tracker()
-    get_model_parallel_rng_tracker().reset()
+def mcore_tracker():
+    from megatron.core import tensor_parallel
+
+    from megatron.training.mcore_cpu_compat import apply_cpu_compat, cuda_absent
+
+    if cuda_absent():
+        apply_cpu_compat()
+
+    def seed(value: int, tp_rank: int) -> None:
+        tensor_parallel.model_parallel_cuda_manual_seed(value, tp_rank=tp_rank, ep_rank=0, etp_rank=0,
+                                                        force_reset_rng=True)
+
+    yield tensor_parallel.get_cuda_rng_tracker, seed  # seeding with force_reset_rng makes a new tracker
+    tensor_parallel.get_cuda_rng_tracker().reset()
 
 
-def test_fork_draws_seed_2718_tp_rank_and_leaves_the_default_stream(fresh_tracker):
-    torch.manual_seed(42)
-    untouched = torch.rand(5)
-    torch.manual_seed(42)
-    model_parallel_manual_seed(42, tp_rank=1)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU generator's streams (the compatibility layer)")
+def test_fork_draws_seed_2718_tp_rank_and_leaves_the_default_stream(mcore_tracker):
+    tracker, seed = mcore_tracker
+    seed(42, tp_rank=1)  # megatron-core seeds the default generator with the seed too
+    untouched = torch.rand(5, generator=torch.Generator().manual_seed(42))
     expected = torch.rand(6, generator=torch.Generator().manual_seed(42 + 2718 + 1))
-    with tp_region_rng(_tp(2, 1)):
+    with tracker().fork():
         first = torch.rand(3)
-    with tp_region_rng(_tp(2, 1)):  # the tracked stream goes on, it does not restart
+    with tracker().fork():  # the tracked stream goes on, it does not restart
         second = torch.rand(3)
     assert torch.equal(torch.cat([first, second]), expected)
     assert torch.equal(torch.rand(5), untouched)  # the default generator is where it was: forks drew nothing from it
-    states = fresh_tracker.get_states()
-    assert list(states) == [MODEL_PARALLEL_RNG]
-
-
-def test_fork_nests_refuses_other_names_and_needs_seeding(fresh_tracker):
-    fresh_tracker.reset()
-    with pytest.raises(RuntimeError, match=r"not seeded: call .*model_parallel_manual_seed"):
-        with tp_region_rng(_tp(2)):
-            pass
-    with tp_region_rng(_tp(1)), tp_region_rng(_tp(2), active=False):  # TP 1 or nothing to draw: no fork at all
-        pass
-    model_parallel_manual_seed(7, tp_rank=0)
-    with tp_region_rng(_tp(2)):
-        outer = torch.rand(2)
-        with tp_region_rng(_tp(2)):  # a region inside a region (attention under sequence parallelism): one stream
-            inner = torch.rand(2)
-    assert torch.equal(torch.cat([outer, inner]), torch.rand(4, generator=torch.Generator().manual_seed(7 + 2718)))
-    fresh_tracker.add("other-rng", 99)
-    with pytest.raises(RuntimeError, match="inside a fork"):
-        with fresh_tracker.fork(), fresh_tracker.fork("other-rng"):
-            pass
-    with pytest.raises(ValueError, match="already tracked"):
-        fresh_tracker.add("other-rng", 100)
-
-
-def test_model_parallel_states_round_trip_and_old_checkpoints(fresh_tracker):
-    model_parallel_manual_seed(5, tp_rank=0)
-    with fresh_tracker.fork():
-        torch.rand(10)
-    extra = {MODEL_PARALLEL_TRACKER_KEY: gather_tracker_states(fresh_tracker)}
-    with fresh_tracker.fork():
-        expected_next = torch.rand(4)
-    model_parallel_manual_seed(5, tp_rank=0)  # a new process: seeded afresh, then resumed
-    assert restore_tracker_states(fresh_tracker, extra, rng_restored=True, where="here",
-                                  key=MODEL_PARALLEL_TRACKER_KEY) is None
-    with fresh_tracker.fork():
-        assert torch.equal(torch.rand(4), expected_next)
-    # a checkpoint written before the tracker existed: loads, keeps this run's seeding, warns where it draws masks
-    assert restore_tracker_states(fresh_tracker, {}, rng_restored=True, where="--load old",
-                                  key=MODEL_PARALLEL_TRACKER_KEY, draws_masks=False) is None
-    warning = restore_tracker_states(fresh_tracker, {}, rng_restored=True, where="--load old",
-                                     key=MODEL_PARALLEL_TRACKER_KEY, draws_masks=True)
-    assert warning is not None and "--load old holds no model-parallel RNG tracker states" in warning
+    assert MODEL_PARALLEL_RNG in tracker().get_states()
