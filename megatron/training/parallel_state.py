@@ -7,24 +7,25 @@ megatron-core's RNG tracker, as Megatron-LM's ``initialize_megatron`` does
 (``mcore_model.initialize_mcore_parallel``). ``build_layout`` then derives what the
 front-end and the engine need FROM those groups, creating no communicator of its own:
 
-- the dense mesh ``(dp_outer?, dp_shard, cp, tp)`` (TP fastest, then CP, then DP;
-  ``dp_outer`` with ``--num-distributed-optimizer-instances`` > 1, ``cp`` only with
-  ``--context-parallel-size`` > 1) is ``DeviceMesh.from_group`` over megatron-core's
-  groups of each dimension (its TP, CP, data-parallel, intra- and inter-instance
-  groups), and its ``dp_shard_cp`` (dp_shard x cp flattened, FSDP's shard dimension)
-  is megatron-core's data-parallel-with-CP group;
+- the dense mesh ``(dp_outer?, dp_shard, tp)``, under context parallelism
+  ``(dp_outer?, dp_shard_cp, tp)`` (TP fastest, then CP, then DP, so one instance's
+  data-parallel x CP ranks form one dimension: FSDP's shard dimension, Megatron-FSDP's
+  ``dp_shard_cp``; ``dp_outer`` with ``--num-distributed-optimizer-instances`` > 1), is
+  ``DeviceMesh.from_group`` over megatron-core's groups of each dimension (its TP group, its
+  partial data-parallel-with-CP group, its inter-instance group). No dimension is flattened:
+  torch's ``_flatten`` would make a communicator of its own. CP's group is megatron-core's
+  (``layout.cp``), used by the CP attention and the batch split, not by FSDP;
 - with ``--expert-model-parallel-size P`` > 1 the expert mesh ``(dp_shard, ep[, tp])``
   of ``world / (T x P)`` x ``P`` (x ``T``) ranks (expert TP fastest, then EP) over its
-  expert-data-parallel, expert-model-parallel and expert-TP groups, and ``ep_tp``
-  (Megatron's expert tensor-and-model-parallel group) flattened from them. Expert
-  parameters are sharded over its ``dp_shard``, each expert's linear layers split over
-  its ``tp`` (docs/moe.md). At ``P = 1`` the experts ride the dense mesh and groups.
+  expert-data-parallel, expert-model-parallel and expert-TP groups; the EP x expert-TP
+  group (``expert_model_group``) is megatron-core's expert tensor-and-model-parallel
+  group. Expert parameters are sharded over its ``dp_shard``, each expert's linear layers
+  split over its ``tp`` (docs/moe.md). At ``P = 1`` the experts ride the dense mesh and groups.
 
 Each mesh dimension's group is looked up among megatron-core's by its ranks; a
-dimension megatron-core has no group for (``dp_shard`` alone under CP with
-``--num-distributed-optimizer-instances`` > 1, or ``dp_outer`` with expert
-parallelism, where megatron-core's inter-instance group is the experts') gets its
-groups made here, on every rank in the same order. ``TensorParallel`` /
+dimension megatron-core has no group for (``dp_outer`` with expert parallelism, where
+megatron-core's inter-instance group is the experts') gets its groups made here, on
+every rank in the same order. ``TensorParallel`` /
 ``ContextParallel`` / ``ExpertParallel`` (megatron_fsdp.parallel) wrap megatron-core's
 groups for the loop and the backends (model providers read megatron-core's
 ``parallel_state``, as in Megatron-LM).
@@ -33,8 +34,6 @@ groups for the loop and the backends (model providers read megatron-core's
 from __future__ import annotations
 
 import argparse
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -131,51 +130,20 @@ def _dim_groups(ranks: torch.Tensor, dim: int, known: dict[tuple[int, ...], dist
     return group
 
 
-@contextlib.contextmanager
-def _existing_group(group: dist.ProcessGroup) -> Iterator[None]:
-    """``DeviceMesh._flatten`` takes ``group`` as the flattened dimension's instead of creating one.
-
-    torch has no public way to flatten mesh dimensions onto an existing group; ``_flatten`` (as
-    private as the name says) builds its mesh with ``_init_process_groups``, which returns the
-    dimension's group names: here, ``group``'s (torch 2.13's internals, checked by
-    tests/distributed/frontend/layout_checks.py; where they differ, the flattened dimension
-    gets a group of its own, as ``_flatten`` makes it).
-    """
-    real = DeviceMesh.__dict__.get("_init_process_groups")
-    if not isinstance(real, staticmethod):  # another torch's internals: _flatten makes its own group (one more)
-        yield
-        return
-    DeviceMesh._init_process_groups = staticmethod(lambda *args, **kwargs: [group.group_name])
-    try:
-        yield
-    finally:
-        DeviceMesh._init_process_groups = real
-
-
 def mesh_from_groups(device_type: str, shape: tuple[int, ...], names: tuple[str, ...],
                      known: dict[tuple[int, ...], dist.ProcessGroup],
-                     flatten: dict[str, tuple[str, ...]] | None = None,
                      named: dict[str, dist.ProcessGroup] | None = None) -> DeviceMesh:
     """A mesh of ``shape`` over ranks ``0..n-1`` (row-major) whose dimensions' groups are ``known``'s.
 
-    ``flatten``: new dimension name -> the dimensions it flattens (``mesh[dims]._flatten(name)``),
-    on the group of their ranks. ``named``: the group to take for a dimension (by name) where its
-    ranks are this rank's of that dimension.
+    ``named``: the group to take for a dimension (by name) where its ranks are this rank's of that
+    dimension. No dimension is flattened (torch's ``_flatten`` would make a group of its own): a
+    dimension over several of Megatron's is one dimension of the mesh, on megatron-core's group.
     """
     named = named or {}
     ranks = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
     groups = [_dim_groups(ranks, d, known, named.get(names[d])) for d in range(len(shape))]
     _MESH_GROUPS.update((id(g), g) for g in groups)
-    mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=names)
-    for name, dims in (flatten or {}).items():
-        indices = [names.index(d) for d in dims]
-        rest = [i for i in range(len(shape)) if i not in indices]
-        grid = ranks.permute(*rest, *indices).reshape(*[shape[i] for i in rest], -1)
-        group = _dim_groups(grid, grid.dim() - 1, known, named.get(name))
-        _MESH_GROUPS[id(group)] = group
-        with _existing_group(group):
-            mesh[dims]._flatten(name)
-    return mesh
+    return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=names)
 
 
 def build_layout(args: argparse.Namespace, device: torch.device) -> ParallelLayout:
@@ -189,21 +157,20 @@ def build_layout(args: argparse.Namespace, device: torch.device) -> ParallelLayo
     known = mcore_groups()
     world, tp_size, cp_size = dist.get_world_size(), args.tensor_model_parallel_size, args.context_parallel_size
     dp_size, instances = world // (tp_size * cp_size), args.num_distributed_optimizer_instances
-    shape, names = (dp_size, cp_size, tp_size), ("dp_shard", "cp", "tp")
+    # FSDP's shard dimension: one instance's data-parallel ranks, times CP under CP (``dp_shard_cp``, Megatron-FSDP's
+    # name): megatron-core's (partial) data-parallel-with-CP group. TP fastest, then CP, then DP: (dp_shard, cp)
+    # are adjacent in the rank grid, so their product is one dimension of it.
+    shard_name = "dp_shard_cp" if cp_size > 1 else "dp_shard"
+    shape, names = (dp_size * cp_size, tp_size), (shard_name, "tp")
     if instances > 1:
-        shape, names = (instances, dp_size // instances, cp_size, tp_size), ("dp_outer", "dp_shard", "cp", "tp")
-    # where two of megatron-core's groups hold the same ranks (TP and CP of size 1, DP and DP x CP at CP 1, TP and
-    # expert TP), each dimension takes the group megatron-core names for it
-    named = {"tp": mpu.get_tensor_model_parallel_group(), "cp": mpu.get_context_parallel_group(),
-             # dp_shard: one instance's data-parallel ranks (at CP 1 megatron-core's intra-instance group; under CP
-             # its DP group, which holds them only with one instance)
-             "dp_shard": (mpu.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
-                          if cp_size == 1 else mpu.get_data_parallel_group()),
-             "dp_shard_cp": mpu.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)}
+        shape, names = (instances, dp_size * cp_size // instances, tp_size), ("dp_outer", shard_name, "tp")
+    # where two of megatron-core's groups hold the same ranks (DP and DP x CP at CP 1, TP and expert TP), each
+    # dimension takes the group megatron-core names for it
+    named = {"tp": mpu.get_tensor_model_parallel_group(),
+             shard_name: mpu.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)}
     if instances > 1:
         named["dp_outer"] = mpu.get_inter_distributed_optimizer_instance_group()
-    mesh = mesh_from_groups(device.type, shape, names, known,
-                            {"dp_shard_cp": ("dp_shard", "cp")} if cp_size > 1 else None, named)
+    mesh = mesh_from_groups(device.type, shape, names, known, named)
     tp = TensorParallel.from_group(mpu.get_tensor_model_parallel_group(), args.sequence_parallel)
     cp = ContextParallel.from_group(mpu.get_context_parallel_group()) if cp_size > 1 else ContextParallel.single()
     dp_group = mpu.get_data_parallel_group()  # same TP and CP rank: the ranks that read other data
@@ -213,15 +180,13 @@ def build_layout(args: argparse.Namespace, device: torch.device) -> ParallelLayo
     etp_size = getattr(args, "expert_tensor_parallel_size", None) or tp_size
     if ep_size > 1:
         named = {"dp_shard": mpu.get_expert_data_parallel_group(), "ep": mpu.get_expert_model_parallel_group(),
-                 "tp": mpu.get_expert_tensor_parallel_group(),
-                 "ep_tp": mpu.get_expert_tensor_and_model_parallel_group()}
+                 "tp": mpu.get_expert_tensor_parallel_group()}
         if etp_size == 1:  # the mesh of expert parallelism alone (no tp dimension)
-            expt_mesh = mesh_from_groups(device.type, (world // ep_size, ep_size), ("dp_shard", "ep"), known,
-                                         named=named)
+            expt_mesh = mesh_from_groups(device.type, (world // ep_size, ep_size), ("dp_shard", "ep"), known, named)
             etp = TensorParallel.single()
         else:
             expt_mesh = mesh_from_groups(device.type, (world // (ep_size * etp_size), ep_size, etp_size),
-                                         ("dp_shard", "ep", "tp"), known, {"ep_tp": ("ep", "tp")}, named)
+                                         ("dp_shard", "ep", "tp"), known, named)
             etp = TensorParallel.from_group(mpu.get_expert_tensor_parallel_group())
             # the EP x expert-TP group (Megatron's expert tensor-and-model-parallel group)
             expert_model_group = mpu.get_expert_tensor_and_model_parallel_group()

@@ -64,15 +64,18 @@ def _data_parallel_mesh(ddp_config: Any, device: torch.device) -> DeviceMesh:
 
 
 def _shard_dim(mesh: DeviceMesh) -> str:
-    """FSDP's shard dimension: ``dp_shard_cp`` (dp_shard x cp, flattened) when the mesh has one."""
-    return "dp_shard_cp" if _is_flattened(mesh, "dp_shard_cp") else "dp_shard"
+    """FSDP's shard dimension: ``dp_shard_cp`` (dp_shard x cp: a dimension, or flattened) when the mesh has one."""
+    names = mesh.mesh_dim_names or ()
+    return "dp_shard_cp" if "dp_shard_cp" in names or _is_flattened(mesh, "dp_shard_cp") else "dp_shard"
 
 
 def _check_mesh(mesh: DeviceMesh, ddp_config: Any) -> DeviceMesh:
-    """A caller's mesh (e.g. ``(dp_shard, cp, tp)`` with model parallelism) must name its data-parallel dims."""
+    """A caller's mesh (e.g. ``(dp_shard, cp, tp)`` with model parallelism, or ``(dp_shard_cp, tp)``) must name
+    its data-parallel dims."""
     names = tuple(mesh.mesh_dim_names or ())
-    if "dp_shard" not in names:
-        raise ValueError(f"FullyShardedDataParallel(device_mesh=...) needs a 'dp_shard' dimension; it has {names}")
+    if "dp_shard" not in names and "dp_shard_cp" not in names:
+        raise ValueError(f"FullyShardedDataParallel(device_mesh=...) needs a 'dp_shard' (or 'dp_shard_cp': data "
+                         f"parallel x context parallel) dimension; it has {names}")
     if "cp" in names and mesh.size(names.index("cp")) > 1 and not _is_flattened(mesh, "dp_shard_cp"):
         raise ValueError(
             "device_mesh has a 'cp' dimension: flatten it with dp_shard first "

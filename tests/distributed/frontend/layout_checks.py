@@ -130,11 +130,11 @@ def layout_is_built_from_megatron_cores_groups(layout: str) -> None:
     for name in mesh.mesh_dim_names:
         assert _ranks(mesh.get_group(name)) == expected[name], (name, _ranks(mesh.get_group(name)), expected[name])
     assert mesh.get_group("tp") is mpu.get_tensor_model_parallel_group() and got.tp.group is mesh.get_group("tp")
+    shard = "dp_shard_cp" if cp > 1 else "dp_shard"  # FSDP's shard dimension: DP x CP under CP, one dimension
+    assert mesh.mesh_dim_names == (("dp_outer",) if instances > 1 else ()) + (shard, "tp"), mesh.mesh_dim_names
+    assert mesh.get_group(shard) is mpu.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
     if cp > 1:
-        assert mesh.get_group("cp") is mpu.get_context_parallel_group() is got.cp.group
-        flat = mesh["dp_shard_cp"].get_group()
-        assert _ranks(flat) == expected["dp_shard_cp"]
-        assert flat is mpu.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+        assert got.cp.group is mpu.get_context_parallel_group() and _ranks(got.cp.group) == expected["cp"]
     assert got.grad_group is mpu.get_data_parallel_group(with_context_parallel=True)
     assert got.dp_group is mpu.get_data_parallel_group()
     assert got.dp_rank == dist.get_rank() // (tp * cp) and got.dp_size == world // (tp * cp)
@@ -151,7 +151,6 @@ def layout_is_built_from_megatron_cores_groups(layout: str) -> None:
         assert e_mesh.get_group("dp_shard") is mpu.get_expert_data_parallel_group()
         if etp > 1:
             assert e_mesh.get_group("tp") is mpu.get_expert_tensor_parallel_group() is got.etp.group
-            assert e_mesh["ep_tp"].get_group() is mpu.get_expert_tensor_and_model_parallel_group()
             assert got.expert_model_group is mpu.get_expert_tensor_and_model_parallel_group()
 
 

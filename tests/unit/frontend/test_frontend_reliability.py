@@ -246,7 +246,7 @@ def _kib(figure: str) -> float:
 def test_startup_and_end_of_run_summaries(runs):
     log, run = runs[0]["healthy"]["log"], runs[0]["healthy"]
     assert _line(log, "world size:") == "world size: 2 = data-parallel 2 x context-parallel 1 x tensor-parallel 1"
-    assert _line(log, "mesh:") == "mesh: (dp_shard=2, cp=1, tp=1)"
+    assert _line(log, "mesh:") == "mesh: (dp_shard=2, tp=1)"
     assert _line(log, "data parallelism:") == "data parallelism: megatron_fsdp optim_grads_params (ZeRO-3) over 2 ranks"
     assert _line(log, "batch:") == ("batch: global 8 = micro-batch 2 x data-parallel 2 x 2 micro-batches per step; "
                                     "sequence length 16")
