@@ -8,8 +8,8 @@ import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch import nn
 
-from megatron.training.parallel_state import ParallelLayout
-from megatron_fsdp.parallel import ContextParallel, TensorParallel
+from megatron.training.parallel_state import GroupOfRanks, ParallelLayout
+from megatron_fsdp.parallel import TensorParallel
 
 
 class FakeTracker:
@@ -35,6 +35,6 @@ def checkpoint_parts() -> tuple[nn.Module, torch.optim.Optimizer, OptimizerParam
                                         lr_decay_steps=10, lr_decay_style="linear", start_wd=0.01, end_wd=0.01,
                                         wd_incr_steps=10, wd_incr_style="constant",
                                         use_checkpoint_opt_param_scheduler=False)
-    layout = ParallelLayout(None, TensorParallel.single(), ContextParallel.single(), dist.group.WORLD,
+    layout = ParallelLayout(None, TensorParallel.single(), GroupOfRanks.single(), dist.group.WORLD,
                             dist.group.WORLD, dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
     return model, optimizer, scheduler, layout

@@ -25,11 +25,10 @@ from megatron_fsdp.mcore import FullyShardedDataParallel
 from megatron_fsdp.optim.grad_norm import clip_grad_norm_, get_grad_norm
 from megatron_fsdp.optim.optimizer import fully_shard_optimizer
 from megatron_fsdp.parallel import TensorParallel, allreduce_sequence_parallel_grads, params_for_grad_norm
-from megatron_fsdp.parallel.expert_dispatch import ExpertParallel
 
 from .initialize import print_rank_0
 from .model_setup import ddp_config_from_args
-from .parallel_state import ParallelLayout
+from .parallel_state import GroupOfRanks, ParallelLayout
 from .torch_fsdp2 import wrap_with_torch_fsdp2
 
 
@@ -196,7 +195,7 @@ def _gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
 
 
 def clip_grad_norm_with_experts(params: list[torch.Tensor], max_norm: float,
-                                expert_group: ExpertParallel | dist.ProcessGroup | None,
+                                expert_group: GroupOfRanks | dist.ProcessGroup | None,
                                 tp: TensorParallel | None = None, expert_tp: TensorParallel | None = None) -> float:
     """Clip by the global norm where expert parameters (``allreduce = False``) differ across EP ranks.
 
@@ -207,7 +206,7 @@ def clip_grad_norm_with_experts(params: list[torch.Tensor], max_norm: float,
     group), expert-TP-replicated ones from expert-TP rank 0 only (``expert_tp``), so
     each parameter counts once.
     """
-    if isinstance(expert_group, ExpertParallel):
+    if isinstance(expert_group, GroupOfRanks):
         expert_group = expert_group.group
     expert = {id(p) for p in params if not getattr(p, "allreduce", True)}
     dense = [p for p in params if id(p) not in expert]

@@ -25,8 +25,8 @@ front-end and the engine need FROM those groups, creating no communicator of its
 Each mesh dimension's group is looked up among megatron-core's by its ranks; a
 dimension megatron-core has no group for (``dp_outer`` with expert parallelism, where
 megatron-core's inter-instance group is the experts') gets its groups made here, on
-every rank in the same order. ``TensorParallel`` /
-``ContextParallel`` / ``ExpertParallel`` (megatron_fsdp.parallel) wrap megatron-core's
+every rank in the same order. ``TensorParallel``
+(megatron_fsdp.parallel) and ``GroupOfRanks`` (CP, EP) wrap megatron-core's
 groups for the loop and the backends (model providers read megatron-core's
 ``parallel_state``, as in Megatron-LM).
 """
@@ -41,8 +41,25 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megatron_fsdp.comm.objects import all_gather_objects
-from megatron_fsdp.parallel import ContextParallel, TensorParallel
-from megatron_fsdp.parallel.expert_dispatch import ExpertParallel
+from megatron_fsdp.parallel import TensorParallel
+
+
+@dataclass(frozen=True)
+class GroupOfRanks:
+    """A context- or expert-parallel group of megatron-core's: its size and this rank's index in it (``group``
+    None: size 1, no collectives)."""
+
+    group: dist.ProcessGroup | None
+    size: int = 1
+    rank: int = 0
+
+    @classmethod
+    def single(cls) -> GroupOfRanks:
+        return cls(None, 1, 0)
+
+    @classmethod
+    def from_group(cls, group: dist.ProcessGroup) -> GroupOfRanks:
+        return cls(group, dist.get_world_size(group), dist.get_rank(group))
 
 
 @dataclass(frozen=True)
@@ -56,12 +73,12 @@ class ParallelLayout:
 
     mesh: DeviceMesh | None
     tp: TensorParallel
-    cp: ContextParallel
+    cp: GroupOfRanks
     dp_group: dist.ProcessGroup
     grad_group: dist.ProcessGroup
     dp_rank: int
     dp_size: int
-    ep: ExpertParallel = ExpertParallel.single()
+    ep: GroupOfRanks = GroupOfRanks.single()
     expt_mesh: DeviceMesh | None = None  # (dp_shard, ep, tp) with expert parallelism, else None
     etp: TensorParallel | None = None  # the expert-TP group where it is not ``tp`` (the expert mesh's tp)
     expert_model_group: dist.ProcessGroup | None = None  # EP x expert TP (Megatron's tp-ep), where > EP
@@ -172,10 +189,10 @@ def build_layout(args: argparse.Namespace, device: torch.device) -> ParallelLayo
         named["dp_outer"] = mpu.get_inter_distributed_optimizer_instance_group()
     mesh = mesh_from_groups(device.type, shape, names, known, named)
     tp = TensorParallel.from_group(mpu.get_tensor_model_parallel_group(), args.sequence_parallel)
-    cp = ContextParallel.from_group(mpu.get_context_parallel_group()) if cp_size > 1 else ContextParallel.single()
+    cp = GroupOfRanks.from_group(mpu.get_context_parallel_group()) if cp_size > 1 else GroupOfRanks.single()
     dp_group = mpu.get_data_parallel_group()  # same TP and CP rank: the ranks that read other data
     grad_group = mpu.get_data_parallel_group(with_context_parallel=True)
-    ep, expt_mesh, etp, expert_model_group = ExpertParallel.single(), None, None, None
+    ep, expt_mesh, etp, expert_model_group = GroupOfRanks.single(), None, None, None
     ep_size = getattr(args, "expert_model_parallel_size", 1)
     etp_size = getattr(args, "expert_tensor_parallel_size", None) or tp_size
     if ep_size > 1:
@@ -190,6 +207,6 @@ def build_layout(args: argparse.Namespace, device: torch.device) -> ParallelLayo
             etp = TensorParallel.from_group(mpu.get_expert_tensor_parallel_group())
             # the EP x expert-TP group (Megatron's expert tensor-and-model-parallel group)
             expert_model_group = mpu.get_expert_tensor_and_model_parallel_group()
-        ep = ExpertParallel.from_group(mpu.get_expert_model_parallel_group())
+        ep = GroupOfRanks.from_group(mpu.get_expert_model_parallel_group())
     return ParallelLayout(mesh, tp, cp, dp_group, grad_group, dist.get_rank(dp_group), dp_size, ep, expt_mesh,
                           etp, expert_model_group)

@@ -13,10 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.training.backends import FSDPBackend, TorchFSDP2Backend
-from megatron.training.parallel_state import ParallelLayout
+from megatron.training.parallel_state import GroupOfRanks, ParallelLayout
 from megatron_fsdp import fully_shard
 from megatron_fsdp.parallel import TensorParallel
-from megatron_fsdp.parallel.context import ContextParallel
 from tests.distributed.harness import check, device
 
 SUITE = "backend_stats"
@@ -59,7 +58,7 @@ def num_zeros_and_params_norm_count_each_entry_once(backend: str) -> None:
     for p in replica.parameters():
         p.grad /= world  # the data-parallel mean, as the sharded gradients hold it
     world_group = dist.group.WORLD
-    layout = ParallelLayout(mesh=None, tp=TensorParallel.single(), cp=ContextParallel.single(), dp_group=world_group,
+    layout = ParallelLayout(mesh=None, tp=TensorParallel.single(), cp=GroupOfRanks.single(), dp_group=world_group,
                             grad_group=world_group, dp_rank=rank, dp_size=world)
     cls = FSDPBackend if backend == "ours" else TorchFSDP2Backend
     stats = cls(model, device(), layout)

@@ -32,9 +32,9 @@ from megatron_fsdp import fully_shard
 from megatron_fsdp.api.fully_shard_model import expert_modules, fully_shard_model
 from megatron_fsdp.optim.grad_norm import get_grad_norm
 from megatron_fsdp.optim.optimizer import fully_shard_optimizer
-from megatron_fsdp.parallel.expert_dispatch import ExpertParallel, combine, dispatch
-from megatron_fsdp.parallel.moe import MoELayer, expert_parameters
 from tests.distributed.harness import check
+from tests.expert_dispatch import ExpertParallel, combine, dispatch
+from tests.moe_layer import MoELayer, expert_parameters
 
 SUITE = "moe"
 RTOL = 1e-5

@@ -18,9 +18,9 @@ from megatron.training.arguments import parse_args, validate_args
 from megatron.training.backends import DataParallelBackend, DDPBackend, FSDPBackend
 from megatron.training.config import FrozenArgs, RunState, TrainingConfig, freeze_args, init_num_microbatches
 from megatron.training.model_setup import build_adamw
-from megatron.training.parallel_state import ParallelLayout
+from megatron.training.parallel_state import GroupOfRanks, ParallelLayout
 from megatron.training.trainer import Trainer
-from megatron_fsdp.parallel import ContextParallel, TensorParallel
+from megatron_fsdp.parallel import TensorParallel
 from tests.unit.frontend.test_frontend_model import scheduler_for
 
 FLAGS = ["--mock-data", "--vocab-size", "50", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads",
@@ -75,7 +75,7 @@ class RecordingBackend(DataParallelBackend):
     """A third backend (the plain module at one rank) that records what the loop asks of it."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        layout = ParallelLayout(None, TensorParallel.single(), ContextParallel.single(), dist.group.WORLD,
+        layout = ParallelLayout(None, TensorParallel.single(), GroupOfRanks.single(), dist.group.WORLD,
                                 dist.group.WORLD, dp_rank=0, dp_size=1)
         super().__init__(model, torch.device("cpu"), layout)
         self.calls: list[tuple] = []

@@ -1,4 +1,5 @@
-"""A Mixture-of-Experts feed-forward layer in plain PyTorch, with expert parallelism.
+"""A Mixture-of-Experts feed-forward layer in plain PyTorch, with expert parallelism: the model of the library's
+expert-parallel tests (tests/distributed/parallel/moe_checks.py; the front-end trains megatron-core's MoE).
 
 Megatron's defaults where it has them: a top-k router (top-k of the logits,
 softmax over the chosen k), the switch-transformer load-balancing auxiliary loss
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_fsdp.parallel.expert_dispatch import ExpertParallel, combine, dispatch
+from tests.expert_dispatch import ExpertParallel, combine, dispatch
 
 
 def load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int,
@@ -159,9 +160,3 @@ def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters Megatron marks as expert parameters (``allreduce = False``)."""
     return [p for p in module.parameters() if not getattr(p, "allreduce", True)]
 
-
-def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
-    """Set what backward multiplies every MoE layer's auxiliary loss by (Megatron: 1 / micro-batches)."""
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            module.aux_loss_scale = scale
